@@ -1,0 +1,177 @@
+"""Blocks: the unit in which KV memory is budgeted (BlockPool) and handed out (AgentCache).
+
+A KVBlock holds up to 256 tokens of K and V for every layer as host numpy arrays of
+shape (n_kv_heads, n_tokens, head_dim). Host arrays because gathering them back into a
+cache with numpy runs at several times the speed of MLX's CPU concatenate, and because
+the store can write their buffers directly. bfloat16 has no numpy dtype, so such
+blocks carry the raw bits as uint16 and the spec's dtype says what they mean.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.errors import CacheMismatchError, PoolExhaustedError, RequestTooLargeError
+from engine.spec import ModelCacheSpec
+
+NUMPY_STORAGE_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    keys: tuple[np.ndarray, ...]  # one (n_kv_heads, n_tokens, k_head_dim) array per layer
+    values: tuple[np.ndarray, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.keys[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes for k in self.keys) + sum(v.nbytes for v in self.values)
+
+
+@dataclass
+class AgentCache:
+    """An agent's saved KV: the token ids it covers and their blocks, in order.
+
+    Every block but the last is full (block_tokens tokens); the last may be partial.
+    """
+
+    spec: ModelCacheSpec
+    token_ids: list[int]
+    blocks: list[KVBlock] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for block in self.blocks)
+
+    def validate(self, spec: ModelCacheSpec) -> None:
+        """Raise CacheMismatchError unless this cache fits `spec` and is self-consistent."""
+        if self.spec.fingerprint() != spec.fingerprint():
+            raise CacheMismatchError(
+                f"cache was made for {self.spec.model_name} "
+                f"(spec {self.spec.fingerprint()}), not {spec.model_name} ({spec.fingerprint()})"
+            )
+        covered = sum(block.n_tokens for block in self.blocks)
+        if covered != len(self.token_ids):
+            raise CacheMismatchError(
+                f"cache blocks cover {covered} tokens but it lists {len(self.token_ids)} token ids"
+            )
+        storage = NUMPY_STORAGE_DTYPE[spec.dtype]
+        for index, block in enumerate(self.blocks):
+            last = index == len(self.blocks) - 1
+            if not last and block.n_tokens != spec.block_tokens:
+                raise CacheMismatchError(f"block {index} holds {block.n_tokens} tokens, not {spec.block_tokens}")
+            if len(block.keys) != spec.n_layers or len(block.values) != spec.n_layers:
+                raise CacheMismatchError(f"block {index} has {len(block.keys)} layers, not {spec.n_layers}")
+            for k, v in zip(block.keys, block.values):
+                if k.shape != (spec.n_kv_heads, block.n_tokens, spec.k_head_dim) or v.shape != (
+                    spec.n_kv_heads,
+                    block.n_tokens,
+                    spec.v_head_dim,
+                ):
+                    raise CacheMismatchError(f"block {index} has arrays of shape {k.shape}/{v.shape}")
+                if k.dtype != storage or v.dtype != storage:
+                    raise CacheMismatchError(f"block {index} has dtype {k.dtype}, expected {np.dtype(storage)}")
+
+    def truncated(self, n_tokens: int) -> AgentCache:
+        """The first `n_tokens` tokens of this cache (views, no copy)."""
+        n_tokens = min(n_tokens, self.n_tokens)
+        block_tokens = self.spec.block_tokens
+        blocks: list[KVBlock] = []
+        for index, block in enumerate(self.blocks):
+            start = index * block_tokens
+            if start >= n_tokens:
+                break
+            keep = min(block.n_tokens, n_tokens - start)
+            if keep == block.n_tokens:
+                blocks.append(block)
+            else:
+                blocks.append(
+                    KVBlock(
+                        keys=tuple(k[:, :keep] for k in block.keys),
+                        values=tuple(v[:, :keep] for v in block.values),
+                    )
+                )
+        return AgentCache(self.spec, list(self.token_ids[:n_tokens]), blocks)
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class BlockPool:
+    """A fixed budget of KV blocks shared by all running sequences.
+
+    The pool does the accounting (which owner holds how many blocks); the KV bytes
+    themselves live in MLX's batch cache while a sequence runs. Reserving up front
+    means a running sequence never dies half-way for lack of memory.
+    """
+
+    def __init__(self, total_blocks: int) -> None:
+        if total_blocks <= 0:
+            raise ValueError(f"a block pool needs at least one block, got {total_blocks}")
+        self.total_blocks = total_blocks
+        self._free: list[int] = list(range(total_blocks - 1, -1, -1))
+        self._owned: dict[object, list[int]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_megabytes(cls, megabytes: float, spec: ModelCacheSpec) -> BlockPool:
+        blocks = int(megabytes * 1024 * 1024 // spec.bytes_per_block())
+        if blocks <= 0:
+            raise ValueError(
+                f"{megabytes} MB holds no block of {spec.bytes_per_block()} bytes for {spec.model_name}"
+            )
+        return cls(blocks)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - len(self._free)
+
+    def held_by(self, owner: object) -> int:
+        return len(self._owned.get(owner, ()))
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        return n_blocks <= len(self._free)
+
+    def allocate(self, owner: object, n_blocks: int) -> list[int]:
+        """Give `owner` n more blocks, or raise without changing anything."""
+        if n_blocks > self.total_blocks:
+            raise RequestTooLargeError(
+                f"request needs {n_blocks} blocks but the whole pool holds {self.total_blocks}"
+            )
+        with self._lock:
+            if n_blocks > len(self._free):
+                raise PoolExhaustedError(n_blocks, len(self._free), self.total_blocks)
+            taken = [self._free.pop() for _ in range(n_blocks)]
+            self._owned.setdefault(owner, []).extend(taken)
+            return taken
+
+    def rename(self, old: object, new: object) -> None:
+        """Move `old`'s blocks to `new` (an allocation made before its final key was known)."""
+        with self._lock:
+            self._owned.setdefault(new, []).extend(self._owned.pop(old, []))
+
+    def free(self, owner: object) -> int:
+        """Return every block `owner` holds; freeing an unknown owner is a no-op."""
+        with self._lock:
+            blocks = self._owned.pop(owner, [])
+            self._free.extend(blocks)
+            return len(blocks)

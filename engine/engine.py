@@ -1,0 +1,268 @@
+"""BlockPoolBatchEngine: continuous batching on mlx-lm's BatchGenerator, with every
+sequence's KV accounted for in a pool of 256-token blocks and handed out as blocks
+when it ends.
+
+Composition, not subclassing: BatchGenerator does the batching (sequences inserted
+between steps join at the next one); this class adds validation, block budgets,
+prefix reuse from an agent's saved cache, stop strings, incremental text, and the
+cut of each finished sequence's KV into blocks for the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from engine.blocks import AgentCache, BlockPool, common_prefix_length
+from engine.errors import InvalidRequestError
+from engine.kv_convert import blocks_to_caches, caches_to_blocks
+from engine.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
+from engine.sampling import make_sampler, validate_sampling
+from engine.spec import ModelCacheSpec, spec_from_model
+from engine.textstream import TextStream
+
+DEFAULT_POOL_MB = 2048
+DEFAULT_CONTEXT = 8192
+
+
+@dataclass
+class _Sequence:
+    uid: int
+    agent_id: str | None
+    prompt_tokens: list[int]
+    reused_tokens: int
+    stop_token_ids: frozenset[int]
+    text: TextStream
+    submitted_at: float
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+
+
+class BlockPoolBatchEngine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        spec: ModelCacheSpec | None = None,
+        pool_blocks: int | None = None,
+        pool_mb: float | None = None,
+        max_batch: int = 16,
+        prefill_step_size: int = 512,
+        max_context: int | None = None,
+    ) -> None:
+        if max_batch <= 0:
+            raise ValueError(f"max_batch must be positive, got {max_batch}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = spec or spec_from_model(model, model_name)
+        if pool_blocks is not None:
+            self.pool = BlockPool(pool_blocks)
+        else:
+            self.pool = BlockPool.from_megabytes(pool_mb or DEFAULT_POOL_MB, self.spec)
+        self.max_batch = max_batch
+        args = getattr(model, "args", None)
+        self.max_context = max_context or getattr(args, "max_position_embeddings", None) or DEFAULT_CONTEXT
+        self.vocab_size = int(getattr(args, "vocab_size", 0) or 0)
+        self.eos_token_ids = frozenset(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._generator = BatchGenerator(
+            model,
+            completion_batch_size=max_batch,
+            prefill_batch_size=min(8, max_batch),
+            prefill_step_size=prefill_step_size,
+        )
+        self._sequences: dict[int, _Sequence] = {}
+
+    # ---- admission -------------------------------------------------------------------
+
+    def blocks_needed(self, n_prompt_tokens: int, max_tokens: int) -> int:
+        return self.spec.blocks_for(n_prompt_tokens + max_tokens)
+
+    def free_slots(self) -> int:
+        return max(0, self.max_batch - len(self._sequences))
+
+    def can_admit(self, n_prompt_tokens: int, max_tokens: int) -> bool:
+        return self.free_slots() > 0 and self.pool.can_allocate(self.blocks_needed(n_prompt_tokens, max_tokens))
+
+    def active(self) -> int:
+        return len(self._sequences)
+
+    def has_work(self) -> bool:
+        return bool(self._sequences)
+
+    def submit(
+        self,
+        agent_id: str | None,
+        prompt_tokens: Sequence[int],
+        *,
+        cache: AgentCache | None = None,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_tokens: Sequence[int] = (),
+    ) -> int:
+        """Queue one sequence; it joins the batch at the next step.
+
+        Raises InvalidRequestError (or RequestTooLargeError) for a request that can
+        never run, PoolExhaustedError when the pool cannot hold it now; in every
+        case nothing has changed.
+        """
+        prompt = self._validate(prompt_tokens, max_tokens, temperature, top_p, seed, stop, stop_tokens, cache)
+        owner = object()
+        self.pool.allocate(owner, self.blocks_needed(len(prompt), max_tokens))
+        try:
+            reused = 0
+            layer_caches = None
+            if cache is not None:
+                reused = min(common_prefix_length(cache.token_ids, prompt), len(prompt) - 1)
+                if reused > 0:
+                    layer_caches = [blocks_to_caches(cache, reused)]
+            stop_ids = self.eos_token_ids | frozenset(int(t) for t in stop_tokens)
+            (uid,) = self._generator.insert(
+                [prompt[reused:]],
+                max_tokens=[max_tokens],
+                caches=layer_caches,
+                all_tokens=[prompt[:reused]],
+                samplers=[make_sampler(temperature, top_p, seed)],
+                stop_sequences=[StopSequences([[t] for t in sorted(stop_ids)])],
+            )
+        except BaseException:
+            self.pool.free(owner)
+            raise
+        self.pool.rename(owner, uid)
+        self._sequences[uid] = _Sequence(
+            uid=uid,
+            agent_id=agent_id,
+            prompt_tokens=prompt,
+            reused_tokens=reused,
+            stop_token_ids=stop_ids,
+            text=TextStream(self.tokenizer, tuple(stop)),
+            submitted_at=time.perf_counter(),
+        )
+        return uid
+
+    def _validate(
+        self,
+        prompt_tokens: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop: Sequence[str],
+        stop_tokens: Sequence[int],
+        cache: AgentCache | None,
+    ) -> list[int]:
+        prompt = list(prompt_tokens)
+        if not prompt:
+            raise InvalidRequestError("prompt is empty: at least one token is needed")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise InvalidRequestError("prompt tokens must be integers")
+        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if len(prompt) + max_tokens > self.max_context:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model context "
+                f"of {self.max_context} tokens"
+            )
+        validate_sampling(temperature, top_p, seed)
+        if isinstance(stop, str) or any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidRequestError("stop must be a list of non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_tokens):
+            raise InvalidRequestError("stop_tokens must be non-negative integers")
+        if cache is not None:
+            if not self.spec.all_full_attention:
+                raise InvalidRequestError(
+                    f"{self.spec.model_name} has sliding-window layers: resuming from blocks is not supported"
+                )
+            cache.validate(self.spec)
+        return prompt
+
+    # ---- stepping --------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """One BatchGenerator step: new tokens for running sequences, completions for finished ones."""
+        output = StepOutput()
+        if not self._sequences:
+            return output
+        _, responses = self._generator.next()
+        now = time.perf_counter()
+        for response in responses:
+            seq = self._sequences.get(response.uid)
+            if seq is None:
+                continue
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            token = int(response.token)
+            ends_on_stop_token = response.finish_reason == "stop" and token in seq.stop_token_ids
+            delta = ""
+            if not ends_on_stop_token:
+                seq.generated.append(token)
+                delta = seq.text.add(token)
+            if response.finish_reason is not None:
+                delta += seq.text.finish()
+                reason: FinishReason = "stop" if response.finish_reason == "stop" else "length"
+                output.completions.append(self._finish(seq, reason, response.prompt_cache, response.all_tokens))
+            elif seq.text.stopped:
+                delta += seq.text.finish()
+                extracted = self._generator.remove([seq.uid], return_prompt_caches=True)
+                layers, tokens = extracted[seq.uid]
+                output.completions.append(self._finish(seq, "stop", layers, list(tokens)))
+            output.deltas.append(TokenDelta(seq.uid, token, delta))
+        return output
+
+    def cancel(self, uid: int) -> Completion | None:
+        """Stop a sequence now and free its blocks; None if it is not running."""
+        seq = self._sequences.get(uid)
+        if seq is None:
+            return None
+        self._generator.remove([uid])
+        return self._finish(seq, "cancelled", None, None)
+
+    def _finish(
+        self,
+        seq: _Sequence,
+        reason: FinishReason,
+        layers: list[Any] | None,
+        all_tokens: list[int] | None,
+    ) -> Completion:
+        del self._sequences[seq.uid]
+        self.pool.free(seq.uid)
+        cache = None
+        if layers is not None and all_tokens is not None and self.spec.all_full_attention:
+            cache = caches_to_blocks(layers, list(all_tokens), self.spec)
+        now = time.perf_counter()
+        return Completion(
+            uid=seq.uid,
+            agent_id=seq.agent_id,
+            text=seq.text.text,
+            token_ids=list(seq.generated),
+            finish_reason=reason,
+            usage=Usage(
+                prompt_tokens=len(seq.prompt_tokens),
+                reused_tokens=seq.reused_tokens,
+                prefilled_tokens=len(seq.prompt_tokens) - seq.reused_tokens,
+                generated_tokens=len(seq.generated),
+            ),
+            cache=cache,
+            time_to_first_token_s=None if seq.first_token_at is None else seq.first_token_at - seq.submitted_at,
+            total_time_s=now - seq.submitted_at,
+        )
+
+    def prompt_tokens_processed(self) -> int:
+        """Prompt tokens the model has run so far (BatchGenerator's own counter, for tests and stats).
+
+        The last prompt token of each sequence is fed by the first decode step and is not counted here.
+        """
+        return int(self._generator._counters.prompt_tokens)
+
+    def close(self) -> None:
+        self._generator.close()

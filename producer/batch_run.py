@@ -1,0 +1,185 @@
+"""A batch run as a named object in Redis: its state, its counts and the ids of its rq jobs.
+
+The run record lets `kvrq batch status` and `kvrq batch cancel` work from any machine, while the client
+driving the run is alive or after it died. Keys (prefix `kvrq:batch:`):
+- `kvrq:batch:run:<run_id>`: hash with state (submitting | running | done | cancelled), counts (total,
+  queued, running, done, failed, invalid), queue, input/output paths, timestamps, the driving client.
+- `kvrq:batch:run:<run_id>:jobs`: set of the rq job ids the run enqueued.
+- `kvrq:batch:runs`: sorted set of run ids by creation time.
+Records of finished or cancelled runs expire after RUN_TTL_S.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from redis import Redis
+
+RunState = Literal["submitting", "running", "done", "cancelled"]
+STATES: tuple[RunState, ...] = ("submitting", "running", "done", "cancelled")
+COUNT_FIELDS = ("total", "queued", "running", "done", "failed", "invalid")
+RUN_PREFIX = "kvrq:batch:run:"
+RUN_INDEX = "kvrq:batch:runs"
+RUN_TTL_S = 7 * 24 * 3600
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SAFE_CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def derive_run_id(input_bytes: bytes, queue: str) -> str:
+    """Same input file and queue give the same run, which is what makes a rerun resume it."""
+    digest = hashlib.sha256()
+    digest.update(queue.encode())
+    digest.update(b"\0")
+    digest.update(input_bytes)
+    return f"batch-{digest.hexdigest()[:16]}"
+
+
+def validate_run_id(run_id: str) -> str:
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        raise ValueError(f"run id {run_id!r} must be 1-64 letters, digits, '-' or '_'")
+    return run_id
+
+
+def job_id_for(run_id: str, custom_id: str) -> str:
+    """Deterministic rq job id of a line, so a rerun finds the job instead of enqueuing it twice.
+
+    rq job ids allow only letters, digits, '-' and '_': other custom_ids are hashed (the `x` form).
+    """
+    if _SAFE_CUSTOM_ID.fullmatch(custom_id):
+        return f"{run_id}_c_{custom_id}"
+    return f"{run_id}_x_{hashlib.sha256(custom_id.encode()).hexdigest()[:32]}"
+
+
+def run_key(run_id: str) -> str:
+    return RUN_PREFIX + run_id
+
+
+def jobs_key(run_id: str) -> str:
+    return RUN_PREFIX + run_id + ":jobs"
+
+
+@dataclass
+class RunInfo:
+    """What `kvrq batch status` shows: the stored record of a run."""
+
+    run_id: str
+    state: str
+    queue: str
+    counts: dict[str, int]
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "state": self.state, "queue": self.queue, **self.counts, **self.fields}
+
+
+class BatchRun:
+    """Read and write one run's record; every method is a few Redis commands, safe to call often."""
+
+    def __init__(self, connection: Redis, run_id: str) -> None:
+        self.connection = connection
+        self.run_id = validate_run_id(run_id)
+        self.key = run_key(run_id)
+        self.jobs_key = jobs_key(run_id)
+
+    def exists(self) -> bool:
+        return bool(self.connection.exists(self.key))
+
+    def start(self, *, queue: str, total: int, input_path: str, output_path: str, concurrency: int) -> str | None:
+        """Create the record or take it over for a rerun; returns the state it had before (None if new)."""
+        now = repr(time.time())
+        previous = self.connection.hget(self.key, "state")
+        pipe = self.connection.pipeline()
+        pipe.hsetnx(self.key, "created_at", now)
+        pipe.hset(
+            self.key,
+            mapping={
+                "run_id": self.run_id,
+                "queue": queue,
+                "state": "submitting",
+                "total": total,
+                "input": input_path,
+                "output": output_path,
+                "concurrency": concurrency,
+                "client": f"{socket.gethostname()}:{os.getpid()}",
+                "updated_at": now,
+                "heartbeat_at": now,
+            },
+        )
+        pipe.persist(self.key)
+        pipe.persist(self.jobs_key)
+        pipe.zadd(RUN_INDEX, {self.run_id: time.time()}, nx=True)
+        pipe.execute()
+        return previous.decode() if previous is not None else None
+
+    def add_job(self, job_id: str) -> None:
+        """Record a job id before it is enqueued, so the run always knows every job it may own."""
+        self.connection.sadd(self.jobs_key, job_id)
+
+    def job_ids(self) -> set[str]:
+        return {j.decode() for j in self.connection.smembers(self.jobs_key)}
+
+    def update(self, *, state: RunState | None = None, **counts: int) -> None:
+        """Store counts (and state) and beat the client's heartbeat."""
+        now = repr(time.time())
+        mapping: dict[str, Any] = {"updated_at": now, "heartbeat_at": now, **counts}
+        if state is not None:
+            mapping["state"] = state
+        pipe = self.connection.pipeline()
+        pipe.hset(self.key, mapping=mapping)
+        if state in ("done", "cancelled"):
+            pipe.expire(self.key, RUN_TTL_S)
+            pipe.expire(self.jobs_key, RUN_TTL_S)
+        pipe.execute()
+
+    def state(self) -> str | None:
+        value = self.connection.hget(self.key, "state")
+        return value.decode() if value is not None else None
+
+    def mark_cancelled(self) -> None:
+        self.update(state="cancelled")
+
+    def info(self) -> RunInfo | None:
+        raw = self.connection.hgetall(self.key)
+        if not raw:
+            return None
+        data = {k.decode(): v.decode() for k, v in raw.items()}
+        counts = {name: int(data.pop(name, "0") or 0) for name in COUNT_FIELDS}
+        state = data.pop("state", "unknown")
+        queue = data.pop("queue", "")
+        data.pop("run_id", None)
+        data["jobs"] = str(self.connection.scard(self.jobs_key))
+        return RunInfo(self.run_id, state, queue, counts, data)
+
+
+def list_runs(connection: Redis, limit: int = 20) -> list[RunInfo]:
+    """The most recent runs still recorded, newest first."""
+    infos: list[RunInfo] = []
+    stale: list[str] = []
+    for raw in connection.zrevrange(RUN_INDEX, 0, max(limit * 2, limit) - 1):
+        run_id = raw.decode()
+        info = BatchRun(connection, run_id).info()
+        if info is None:
+            stale.append(run_id)
+        elif len(infos) < limit:
+            infos.append(info)
+    if stale:
+        connection.zrem(RUN_INDEX, *stale)
+    return infos
+
+
+def chunks(items: Iterable[str], size: int) -> Iterable[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -1,0 +1,320 @@
+"""Producer: enqueue generation jobs as plain rq jobs and follow them (result, status, stream, cancel).
+
+Only redis, rq and pydantic are needed here: a web app that enqueues jobs never imports MLX.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import WatchError
+from rq import Queue, Retry
+from rq.command import send_stop_job_command
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.results import Result
+from rq.serializers import resolve_serializer
+
+from producer.models import GenerationRequest, GenerationResult
+from producer.protocol import (
+    CANCEL_FLAG_TTL_S,
+    DEFAULT_QUEUE,
+    JOB_FUNCTION,
+    SERIALIZER,
+    StreamEvent,
+    cancel_key,
+    stream_key,
+)
+
+#: Seconds a started job may run when the request names no job_timeout (rq's own default is 180).
+DEFAULT_JOB_TIMEOUT = 600
+TERMINAL_STATUSES = frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED})
+_POLL_S = 1.0
+
+
+class JobFailedError(Exception):
+    """The job ended without a result; `reason` is the worker's one-line reason."""
+
+    def __init__(self, job_id: str, reason: str, *, status: str = "failed", details: str | None = None) -> None:
+        self.job_id = job_id
+        self.reason = reason
+        self.status = status
+        self.details = details or reason
+        super().__init__(f"job {job_id} {status}: {reason}")
+
+
+class JobCanceledError(JobFailedError):
+    """The job was canceled before it finished."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id, "canceled", status="canceled")
+
+
+class JobNotFoundError(LookupError):
+    """No such job in Redis (never enqueued, or its TTL ran out)."""
+
+
+class ResultTimeoutError(TimeoutError):
+    """The job did not end within the given timeout; it keeps running."""
+
+
+def failure_reason(details: str | None) -> str:
+    """The last non-empty line of an rq exc_string: the exception and its message."""
+    lines = [line.strip() for line in (details or "").strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no reason recorded"
+
+
+class JobHandle:
+    """A submitted job. Cheap to create: it holds an id, and reads Redis when asked."""
+
+    def __init__(self, connection: Redis, job_id: str) -> None:
+        self.connection = connection
+        self.id = job_id
+        self._serializer = resolve_serializer(SERIALIZER)
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.id!r})"
+
+    def job(self) -> Job:
+        try:
+            return Job.fetch(self.id, connection=self.connection, serializer=self._serializer)
+        except NoSuchJobError:
+            raise JobNotFoundError(f"no job {self.id} in Redis") from None
+
+    def status(self) -> str:
+        """rq's status string: queued, started, finished, failed, canceled, ..."""
+        raw = self.connection.hget(Job.key_for(self.id), "status")
+        if raw is None:
+            raise JobNotFoundError(f"no job {self.id} in Redis")
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def meta(self) -> dict[str, Any]:
+        """rq's job.meta; the worker keeps `progress` (phase, tokens so far) there."""
+        return dict(self.job().get_meta())
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the job to end; return its result or raise JobFailedError / JobCanceledError.
+
+        Raises ResultTimeoutError when `timeout` seconds pass first (the job goes on).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results_key = Result.get_key(self.id)
+        while True:
+            outcome = self._outcome()
+            if outcome is not None:
+                return outcome
+            block = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if block <= 0:
+                raise ResultTimeoutError(f"job {self.id} did not end within {timeout} s")
+            # Woken as soon as the worker writes a result; the poll catches cancels (no result).
+            latest = self.connection.xrevrange(results_key, "+", "-", count=1)
+            last_id = latest[0][0] if latest else "0-0"
+            self.connection.xread({results_key: last_id}, block=max(1, int(block * 1000)), count=1)
+
+    def _outcome(self) -> GenerationResult | None:
+        status = self.status()
+        if status == JobStatus.CANCELED:
+            raise JobCanceledError(self.id)
+        if status not in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED):
+            return None
+        latest = Result.fetch_latest(Job(self.id, connection=self.connection), serializer=self._serializer)
+        if status == JobStatus.FINISHED:
+            if latest is None or latest.type != Result.Type.SUCCESSFUL:
+                raise JobFailedError(self.id, "finished, but its result has expired", status="expired")
+            return GenerationResult.model_validate(latest.return_value)
+        details = latest.exc_string if latest is not None else None
+        raise JobFailedError(self.id, failure_reason(details), status=status, details=details)
+
+    def cancel(self) -> bool:
+        """Ask for the job to be canceled; False if it had already ended.
+
+        A queued job is canceled at once (rq's `job.cancel()`); a running one is stopped by
+        its worker at its next step, which frees its KV blocks. `result()` then raises
+        JobCanceledError.
+        """
+        job = self.job()
+        status = job.get_status()
+        if status in TERMINAL_STATUSES:
+            return False
+        # The flag first: a worker that dequeues the job at this very moment still sees it.
+        self.connection.set(cancel_key(self.id), 1, ex=CANCEL_FLAG_TTL_S)
+        if status == JobStatus.STARTED:
+            try:
+                send_stop_job_command(self.connection, self.id, serializer=self._serializer)
+            except (InvalidJobOperation, NoSuchJobError):
+                pass  # not running after all: the flag covers it
+            return True
+        try:
+            job.cancel()
+        except InvalidJobOperation:
+            return False
+        return True
+
+    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Every event of the job's token stream, from the start, ending with an end or error event."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        key = stream_key(self.id)
+        last_id: bytes | str = "0-0"
+        seen_any = False
+        while True:
+            block = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if block <= 0:
+                raise ResultTimeoutError(f"job {self.id} did not end within {timeout} s")
+            response = self.connection.xread({key: last_id}, block=max(1, int(block * 1000)), count=1024)
+            if response:
+                for entry_id, fields in response[0][1]:
+                    last_id = entry_id
+                    seen_any = True
+                    event = StreamEvent.from_fields(fields)
+                    yield event
+                    if event.final:
+                        return
+                continue
+            ending = self._ending_without_stream(key, last_id, seen_any)
+            if ending is not None:
+                yield from ending
+                return
+
+    def _ending_without_stream(
+        self, key: str, last_id: bytes | str, seen_any: bool
+    ) -> list[StreamEvent] | None:
+        """Events that close a stream that will never get its end marker, or None to keep waiting.
+
+        A job canceled in the queue, or failed before a worker took it, never had a stream;
+        a stream may also have expired before a late reader came.
+        """
+        try:
+            status = self.status()
+        except JobNotFoundError:
+            return [StreamEvent("error", error=f"no job {self.id} in Redis")]
+        if status not in TERMINAL_STATUSES:
+            return None
+        # The worker writes the end marker before it finishes the rq job: read what is left.
+        rest = self.connection.xread({key: last_id}, count=100_000)
+        if rest:
+            events = [StreamEvent.from_fields(fields) for _, fields in rest[0][1]]
+            if events and events[-1].final:
+                return events
+        if status == JobStatus.CANCELED:
+            return [StreamEvent("end", finish_reason="cancelled")]
+        try:
+            result = self.result(timeout=0.001)
+        except JobFailedError as exc:
+            return [StreamEvent("error", error=exc.reason)]
+        head = [] if seen_any else [StreamEvent("delta", text=result.text)]
+        return [*head, StreamEvent("end", finish_reason=result.finish_reason)]
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Text deltas as the worker generates them (from the start, also for a late reader).
+
+        Raises JobFailedError if the job fails; ends quietly when it is canceled.
+        """
+        for event in self.events(timeout=timeout):
+            if event.kind == "delta":
+                if event.text:
+                    yield event.text
+            elif event.kind == "error":
+                raise JobFailedError(self.id, event.error or "failed")
+
+
+class Producer:
+    """Enqueue kvrq generation jobs into an rq queue (JSON-serialized)."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        queue: str = DEFAULT_QUEUE,
+        *,
+        connection: Redis | None = None,
+        default_job_timeout: int = DEFAULT_JOB_TIMEOUT,
+    ) -> None:
+        if connection is None:
+            if redis_url is None:
+                raise ValueError("give redis_url or connection")
+            connection = Redis.from_url(redis_url)
+        self.connection = connection
+        self.queue_name = queue
+        self.default_job_timeout = default_job_timeout
+        self._queues: dict[str, Queue] = {}
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def queue(self, name: str | None = None) -> Queue:
+        name = name or self.queue_name
+        if name not in self._queues:
+            self._queues[name] = Queue(name, connection=self.connection, serializer=SERIALIZER)
+        return self._queues[name]
+
+    def handle(self, job_id: str) -> JobHandle:
+        return JobHandle(self.connection, job_id)
+
+    def submit(self, request: GenerationRequest | Mapping[str, Any], *, job_id: str | None = None) -> JobHandle:
+        """Validate and enqueue one request. With `job_id`, a job that already exists is not enqueued again."""
+        return self.submit_many([request], job_ids=None if job_id is None else [job_id])[0]
+
+    def submit_many(
+        self,
+        requests: Iterable[GenerationRequest | Mapping[str, Any]],
+        *,
+        job_ids: Sequence[str] | None = None,
+    ) -> list[JobHandle]:
+        """Validate all requests first (nothing is enqueued if one is invalid), then enqueue in one round trip.
+
+        With `job_ids`, ids that already name a job get a handle to that job instead of a new one,
+        so a resubmission after a crash is idempotent.
+        """
+        validated = [_validate(request) for request in requests]
+        if job_ids is not None and len(job_ids) != len(validated):
+            raise ValueError(f"{len(job_ids)} job ids for {len(validated)} requests")
+        if job_ids is None:
+            with self.connection.pipeline(transaction=False) as pipe:
+                jobs = [self._enqueue(request, None, pipe) for request in validated]
+                pipe.execute()
+            return [self.handle(job.id) for job in jobs]
+        keys = [Job.key_for(job_id) for job_id in job_ids]
+        with self.connection.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(*keys)
+                    exists = [bool(pipe.exists(key)) for key in keys]
+                    pipe.multi()
+                    for request, job_id, existing in zip(validated, job_ids, exists):
+                        if not existing:
+                            self._enqueue(request, job_id, pipe)
+                    pipe.execute()
+                    break
+                except WatchError:
+                    continue  # another producer touched one of these ids: look again
+        return [self.handle(job_id) for job_id in job_ids]
+
+    def _enqueue(self, request: GenerationRequest, job_id: str | None, pipe: Any) -> Job:
+        retry = Retry(max=request.retries) if request.retries else None
+        who = request.agent_id or "one-off"
+        return self.queue(request.queue).enqueue_call(
+            JOB_FUNCTION,
+            args=(request.job_payload(),),
+            timeout=request.job_timeout or self.default_job_timeout,
+            result_ttl=request.result_ttl,
+            job_id=job_id,
+            at_front=request.at_front,
+            retry=retry,
+            meta={"agent_id": request.agent_id},
+            description=f"kvrq generate ({who}, max_tokens={request.max_tokens})",
+            pipeline=pipe,
+        )
+
+
+def _validate(request: GenerationRequest | Mapping[str, Any]) -> GenerationRequest:
+    if isinstance(request, GenerationRequest):
+        return GenerationRequest.model_validate(request.model_dump())
+    return GenerationRequest.model_validate(dict(request))

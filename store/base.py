@@ -1,0 +1,108 @@
+"""The CacheStore protocol the worker programs against, and what every backend shares.
+
+`get` never raises for bad stored data: absent, corrupt and other-model caches are
+all misses (None), each logged with the agent id and reason and counted in `stats()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from engine.blocks import AgentCache
+from store.errors import ABSENT, MISS_REASONS, NO_COMMON_PREFIX
+
+log = logging.getLogger("kvrq.store")
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What `info` reports about one stored agent cache."""
+
+    agent_id: str
+    n_tokens: int
+    nbytes: int  # bytes the cache takes in this store (at rest: after quantization)
+    last_used: float  # unix time of the last get or put
+    quantization: str
+    n_blocks: int
+
+
+@runtime_checkable
+class CacheStore(Protocol):
+    def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
+        """The agent's cache, or None on a miss (absent, corrupt, another spec).
+
+        With `prompt_tokens`, only the longest prefix shared with that prompt is
+        returned (and only its blocks are read); None if nothing is shared.
+        """
+        ...
+
+    def put(self, agent_id: str, cache: AgentCache) -> None: ...
+
+    def delete(self, agent_id: str) -> bool: ...
+
+    def list(self) -> list[str]: ...
+
+    def info(self, agent_id: str) -> CacheInfo | None: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+class Stats:
+    """Thread-safe named counters."""
+
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = dict.fromkeys(names, 0)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+BACKEND_COUNTERS = (
+    "gets",
+    "hits",
+    "misses",
+    *(f"miss_{reason}" for reason in MISS_REASONS),
+    "bytes_read",
+    "puts",
+    "bytes_written",
+    "blocks_written",
+    "blocks_reused",
+    "deletes",
+    "evictions",
+    "evicted_bytes",
+    "put_retries",
+)
+
+
+def record_miss(stats: Stats, name: str, agent_id: str, reason: str, detail: str) -> None:
+    """Count a miss and log it: a missing cache quietly, anything else as a warning."""
+    stats.add("misses")
+    stats.add(f"miss_{reason}")
+    if reason in (ABSENT, NO_COMMON_PREFIX):
+        log.debug("%s: cache miss for agent %r: %s (%s)", name, agent_id, reason, detail)
+    else:
+        log.warning("%s: unusable cache for agent %r treated as a miss: %s (%s)", name, agent_id, reason, detail)
+
+
+def shared_prefix(cache_tokens: np.ndarray, prompt_tokens: Sequence[int] | None) -> int:
+    """How many leading tokens of the cache a prompt can reuse (all of them without a prompt)."""
+    if prompt_tokens is None:
+        return int(cache_tokens.shape[0])
+    prompt = np.asarray(prompt_tokens, dtype=np.int64)
+    n = min(int(cache_tokens.shape[0]), int(prompt.shape[0]))
+    differ = np.flatnonzero(cache_tokens[:n] != prompt[:n])
+    return int(differ[0]) if differ.size else n

@@ -1,0 +1,135 @@
+"""Block blobs: one safetensors blob per 256-token block (format: docs/store-format.md).
+
+A block blob holds tensors `L{layer}.k` / `L{layer}.v` in the spec's dtype, or when
+quantized `L{layer}.k.q` (packed uint32) with `.scales` and `.biases`. Encoding hands
+back the header plus views of the block's own arrays, so writers can send them
+without concatenating; decoding checks size, CRC-32, header, metadata and every
+tensor's dtype and shape before returning zero-copy views.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.blocks import KVBlock
+from engine.spec import ModelCacheSpec
+from store import quant
+from store.errors import BAD_BLOCK, CHECKSUM, TRUNCATED, BadCacheError
+from store.manifest import FORMAT_NAME, FORMAT_VERSION_NUMBER, BlockRef, Manifest
+from store.stfile import SafetensorsError, encode, parse_header, view
+
+_ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+@dataclass(frozen=True)
+class EncodedBlock:
+    """One block blob as header + buffers (views of the arrays: nothing concatenated)."""
+
+    header: bytes
+    buffers: list[memoryview]
+    nbytes: int
+    crc32: int
+
+    def parts(self) -> list[bytes | memoryview]:
+        return [self.header, *self.buffers]
+
+
+def _block_metadata(spec: ModelCacheSpec, quantization: str, group_size: int, n_tokens: int) -> dict[str, str]:
+    return {
+        "format": FORMAT_NAME,
+        "version": str(FORMAT_VERSION_NUMBER),
+        "kind": "block",
+        "fingerprint": spec.fingerprint(),
+        "dtype": spec.dtype,
+        "n_tokens": str(n_tokens),
+        "quantization": quantization,
+        "group_size": str(group_size),
+    }
+
+
+def encode_block(block: KVBlock, spec: ModelCacheSpec, quantization: str, group_size: int) -> EncodedBlock:
+    """Serialize one block; for `none` the buffers are the block's own arrays."""
+    dtype = _ST_DTYPE[spec.dtype]
+    tensors: list[tuple[str, str, np.ndarray]] = []
+    if quantization == "none":
+        for layer, (k, v) in enumerate(zip(block.keys, block.values)):
+            tensors.append((f"L{layer}.k", dtype, np.ascontiguousarray(k)))
+            tensors.append((f"L{layer}.v", dtype, np.ascontiguousarray(v)))
+    else:
+        bits = quant.QUANT_BITS[quantization]
+        parts = {
+            kind: quant.quantize(np.stack(arrays), spec.dtype, bits, group_size)
+            for kind, arrays in (("k", block.keys), ("v", block.values))
+        }
+        for layer in range(spec.n_layers):
+            for kind in ("k", "v"):
+                packed, scales, biases = parts[kind]
+                tensors.append((f"L{layer}.{kind}.q", "U32", packed[layer]))
+                tensors.append((f"L{layer}.{kind}.scales", dtype, scales[layer]))
+                tensors.append((f"L{layer}.{kind}.biases", dtype, biases[layer]))
+    header, buffers = encode(tensors, _block_metadata(spec, quantization, group_size, block.n_tokens))
+    crc = zlib.crc32(header)
+    for buffer in buffers:
+        crc = zlib.crc32(buffer, crc)
+    return EncodedBlock(header, buffers, len(header) + sum(len(b) for b in buffers), crc)
+
+
+def decode_block(
+    blob: bytes | bytearray | memoryview, ref: BlockRef, manifest: Manifest, *, verified: bool = False
+) -> KVBlock:
+    """The block from its blob, after checking size, CRC-32, header and every tensor's shape.
+
+    Raises BadCacheError (truncated, checksum, bad_block). `verified` skips the CRC when
+    the caller has already checked it (e.g. in a reader thread).
+    """
+    if len(blob) != ref.nbytes:
+        raise BadCacheError(TRUNCATED, f"block {ref.name} has {len(blob)} bytes, manifest says {ref.nbytes}")
+    if not verified and zlib.crc32(blob) != ref.crc32:
+        raise BadCacheError(CHECKSUM, f"block {ref.name} fails its CRC-32")
+    spec = manifest.spec
+    try:
+        metadata, entries, data_start = parse_header(blob)
+    except SafetensorsError as exc:
+        raise BadCacheError(BAD_BLOCK, f"block {ref.name}: {exc}") from None
+    expected_meta = _block_metadata(spec, manifest.quantization, manifest.group_size, ref.n_tokens)
+    if metadata != expected_meta:
+        raise BadCacheError(BAD_BLOCK, f"block {ref.name} metadata {metadata} is not {expected_meta}")
+    expected = _expected_tensors(spec, manifest.quantization, manifest.group_size, ref.n_tokens)
+    got = {name: (e.dtype, e.shape) for name, e in entries.items()}
+    if got != expected:
+        raise BadCacheError(BAD_BLOCK, f"block {ref.name} holds other tensors than expected")
+    if manifest.quantization == "none":
+        keys = tuple(view(blob, entries[f"L{i}.k"], data_start) for i in range(spec.n_layers))
+        values = tuple(view(blob, entries[f"L{i}.v"], data_start) for i in range(spec.n_layers))
+        return KVBlock(keys=keys, values=values)
+    bits = quant.QUANT_BITS[manifest.quantization]
+    out: dict[str, tuple[np.ndarray, ...]] = {}
+    for kind in ("k", "v"):
+        stacked = [
+            np.stack([view(blob, entries[f"L{i}.{kind}.{part}"], data_start) for i in range(spec.n_layers)])
+            for part in ("q", "scales", "biases")
+        ]
+        full = quant.dequantize(stacked[0], stacked[1], stacked[2], spec.dtype, bits, manifest.group_size)
+        out[kind] = tuple(full[i] for i in range(spec.n_layers))
+    return KVBlock(keys=out["k"], values=out["v"])
+
+
+def _expected_tensors(
+    spec: ModelCacheSpec, quantization: str, group_size: int, n_tokens: int
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    dtype = _ST_DTYPE[spec.dtype]
+    heads = spec.n_kv_heads
+    expected: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for layer in range(spec.n_layers):
+        for kind, dim in (("k", spec.k_head_dim), ("v", spec.v_head_dim)):
+            if quantization == "none":
+                expected[f"L{layer}.{kind}"] = (dtype, (heads, n_tokens, dim))
+                continue
+            bits = quant.QUANT_BITS[quantization]
+            expected[f"L{layer}.{kind}.q"] = ("U32", (heads, n_tokens, dim * bits // 32))
+            expected[f"L{layer}.{kind}.scales"] = (dtype, (heads, n_tokens, dim // group_size))
+            expected[f"L{layer}.{kind}.biases"] = (dtype, (heads, n_tokens, dim // group_size))
+    return expected

@@ -1,0 +1,185 @@
+"""The manifest: the one small blob that makes a stored cache exist (format: docs/store-format.md).
+
+It is a safetensors blob whose only tensor is `token_ids` (int64) and whose metadata
+holds the format version, the spec and its fingerprint, the quantization and the list
+of blocks with their CRC-32s. It is written last and swapped in atomically, so a
+reader sees either the previous complete cache or the new complete one. The metadata
+carries a CRC-32 of itself and of the token ids, so a flipped byte anywhere in it is
+caught before any block is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.spec import ModelCacheSpec
+from store.errors import AGENT_MISMATCH, BAD_MANIFEST, FORMAT_VERSION, SPEC_MISMATCH, BadCacheError
+from store.stfile import SafetensorsError, encode, parse_header, view
+
+FORMAT_NAME = "kvrq-agent-cache"
+FORMAT_VERSION_NUMBER = 1
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """What the manifest records about one stored block."""
+
+    name: str  # storage name: chain hash + writing generation, [0-9a-f.] only
+    chain: str  # reuse key: hash of spec, quantization and every token up to the block's end
+    n_tokens: int
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    agent_id: str
+    spec: ModelCacheSpec
+    quantization: str
+    group_size: int
+    token_ids: np.ndarray  # int64, one per cached token
+    blocks: tuple[BlockRef, ...]
+    generation: str  # unique per put: tells a reader a concurrent rewrite from a broken cache
+    created: float
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(ref.nbytes for ref in self.blocks)
+
+
+def new_generation() -> str:
+    return uuid.uuid4().hex
+
+
+def chain_keys(spec: ModelCacheSpec, quantization: str, group_size: int, token_ids: Sequence[int]) -> list[str]:
+    """One reuse key per block: equal keys mean equal tokens from position 0 to the block's end."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    digest = hashlib.sha256(f"{spec.fingerprint()}|{quantization}|{group_size}|".encode())
+    keys = []
+    for start in range(0, len(tokens), spec.block_tokens):
+        digest.update(tokens[start : start + spec.block_tokens].tobytes())
+        keys.append(digest.copy().hexdigest()[:32])
+    return keys
+
+
+def block_name(chain: str, generation: str) -> str:
+    return f"{chain[:24]}.{generation[:12]}"
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    tokens = np.ascontiguousarray(manifest.token_ids, dtype=np.int64)
+    metadata = {
+        "format": FORMAT_NAME,
+        "version": str(FORMAT_VERSION_NUMBER),
+        "kind": "manifest",
+        "agent_id": manifest.agent_id,
+        "model_name": manifest.spec.model_name,
+        "spec": json.dumps(manifest.spec.to_dict(), sort_keys=True),
+        "fingerprint": manifest.spec.fingerprint(),
+        "dtype": manifest.spec.dtype,
+        "quantization": manifest.quantization,
+        "group_size": str(manifest.group_size),
+        "n_tokens": str(manifest.n_tokens),
+        "blocks": json.dumps([[b.name, b.chain, b.n_tokens, b.nbytes, b.crc32] for b in manifest.blocks]),
+        "generation": manifest.generation,
+        "created": repr(manifest.created),
+        "tokens_crc32": str(zlib.crc32(tokens)),
+    }
+    metadata["checksum"] = str(_metadata_checksum(metadata))
+    header, buffers = encode([("token_ids", "I64", tokens)], metadata)
+    return b"".join([header, *buffers])
+
+
+def _metadata_checksum(metadata: dict[str, str]) -> int:
+    body = {k: v for k, v in metadata.items() if k != "checksum"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def read_format(metadata: dict[str, str]) -> None:
+    """Raise BadCacheError unless the metadata is this store's format, at this version."""
+    if metadata.get("format") != FORMAT_NAME:
+        raise BadCacheError(BAD_MANIFEST, f"not a {FORMAT_NAME} blob (format {metadata.get('format')!r})")
+    if metadata.get("version") != str(FORMAT_VERSION_NUMBER):
+        raise BadCacheError(
+            FORMAT_VERSION, f"format version {metadata.get('version')!r}, this store reads {FORMAT_VERSION_NUMBER}"
+        )
+
+
+def decode_manifest(blob: bytes | bytearray | memoryview, agent_id: str, spec: ModelCacheSpec) -> Manifest:
+    """The manifest in `blob`, checked to be intact, for `agent_id`, and made for `spec`.
+
+    Raises BadCacheError with reason bad_manifest, format_version, agent_mismatch or
+    spec_mismatch.
+    """
+    try:
+        metadata, entries, data_start = parse_header(blob)
+    except SafetensorsError as exc:
+        raise BadCacheError(BAD_MANIFEST, str(exc)) from None
+    read_format(metadata)
+    if metadata.get("kind") != "manifest" or metadata.get("checksum") != str(_metadata_checksum(metadata)):
+        raise BadCacheError(BAD_MANIFEST, "manifest metadata fails its checksum")
+    entry = entries.get("token_ids")
+    if entry is None or len(entries) != 1 or entry.dtype != "I64" or len(entry.shape) != 1:
+        raise BadCacheError(BAD_MANIFEST, "manifest has no int64 token_ids vector")
+    tokens = view(blob, entry, data_start)
+    if str(zlib.crc32(tokens)) != metadata.get("tokens_crc32"):
+        raise BadCacheError(BAD_MANIFEST, "token ids fail their checksum")
+    if metadata.get("agent_id") != agent_id:
+        raise BadCacheError(AGENT_MISMATCH, f"manifest belongs to agent {metadata.get('agent_id')!r}")
+    if metadata.get("fingerprint") != spec.fingerprint():
+        raise BadCacheError(
+            SPEC_MISMATCH,
+            f"cache made for {metadata.get('model_name')!r} spec {metadata.get('fingerprint')}, "
+            f"this store serves {spec.model_name!r} spec {spec.fingerprint()}",
+        )
+    try:
+        return _build(metadata, tokens, agent_id, spec)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadCacheError(BAD_MANIFEST, f"manifest fields are inconsistent: {exc}") from None
+
+
+def _build(metadata: dict[str, str], tokens: np.ndarray, agent_id: str, spec: ModelCacheSpec) -> Manifest:
+    stored_spec = ModelCacheSpec.from_dict(json.loads(metadata["spec"]))
+    if stored_spec != spec:
+        raise ValueError("spec does not match its fingerprint")
+    quantization = metadata["quantization"]
+    if quantization not in ("none", "q8", "q4"):
+        raise ValueError(f"unknown quantization {quantization!r}")
+    raw_blocks: Any = json.loads(metadata["blocks"])
+    blocks = tuple(
+        BlockRef(str(name), str(chain), int(n), int(size), int(crc)) for name, chain, n, size, crc in raw_blocks
+    )
+    if not all(_safe_name(b.name) for b in blocks):
+        raise ValueError("a block name has unsafe characters")
+    if sum(b.n_tokens for b in blocks) != tokens.shape[0] or int(metadata["n_tokens"]) != tokens.shape[0]:
+        raise ValueError("blocks do not cover the token ids")
+    for index, ref in enumerate(blocks):
+        full = ref.n_tokens == spec.block_tokens
+        if not (full or (index == len(blocks) - 1 and 0 < ref.n_tokens < spec.block_tokens)):
+            raise ValueError(f"block {index} holds {ref.n_tokens} tokens")
+    return Manifest(
+        agent_id=agent_id,
+        spec=spec,
+        quantization=quantization,
+        group_size=int(metadata["group_size"]),
+        token_ids=tokens,
+        blocks=blocks,
+        generation=metadata["generation"],
+        created=float(metadata["created"]),
+    )
+
+
+def _safe_name(name: str) -> bool:
+    return 0 < len(name) <= 64 and all(c in "0123456789abcdef." for c in name) and not name.startswith(".")
