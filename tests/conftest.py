@@ -12,6 +12,17 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Rerun pytest with OpenBLAS preloaded on Linux (10x faster model tests), once, before any test."""
+    from engine.fastpath import blas_preload_env, ensure_fast_blas
+
+    if blas_preload_env().get("LD_PRELOAD") != __import__("os").environ.get("LD_PRELOAD"):
+        capture = config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.stop_global_capturing()
+        ensure_fast_blas()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -88,3 +99,11 @@ def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop(kill=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[object, object]:
+    """The real builtin model (float32 on CPU), loaded once per session."""
+    from engine.model import load_model
+
+    return load_model("smollm2-135m")

@@ -1,0 +1,167 @@
+"""Engine behaviour on a tiny random llama: validation, budgets, cancellation, streaming."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine.engine import BlockPoolBatchEngine
+from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError, RequestTooLargeError
+from engine.results import Completion
+from tests.engine.tiny import ByteTokenizer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model() -> object:
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def engine(model: object) -> Iterator[BlockPoolBatchEngine]:
+    eng = BlockPoolBatchEngine(
+        model, ByteTokenizer(), model_name="tiny-llama", pool_blocks=8, max_batch=4, max_context=4096
+    )
+    yield eng
+    eng.close()
+
+
+def run_all(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
+    done: dict[int, Completion] = {}
+    for _ in range(10_000):
+        if not engine.has_work():
+            return done
+        for completion in engine.step().completions:
+            done[completion.uid] = completion
+    raise AssertionError("engine did not finish")
+
+
+PROMPT = list(b"hello world")
+
+
+INVALID_REQUESTS: list[tuple[dict[str, object], str]] = [
+    ({"prompt_tokens": []}, "prompt is empty"),
+    ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+    ({"max_tokens": -3}, "max_tokens must be a positive integer"),
+    ({"temperature": -0.5}, "temperature must be a number"),
+    ({"temperature": float("nan")}, "temperature must be a number"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"seed": -1}, "seed must be a non-negative integer"),
+    ({"stop": "END"}, "stop must be a list of non-empty strings"),
+    ({"stop": [""]}, "stop must be a list of non-empty strings"),
+    ({"stop_tokens": [-1]}, "stop_tokens must be non-negative integers"),
+    ({"prompt_tokens": [1, 999_999]}, r"token ids outside the vocabulary \[0, "),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), INVALID_REQUESTS)
+def test_invalid_requests_raise_typed_errors_and_change_nothing(
+    engine: BlockPoolBatchEngine, kwargs: dict[str, object], message: str
+) -> None:
+    request: dict[str, object] = {"prompt_tokens": PROMPT, "max_tokens": 4, **kwargs}
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.submit("a", **request)  # type: ignore[arg-type]
+    assert engine.pool.used_blocks == 0 and engine.active() == 0 and not engine.has_work()
+
+
+def test_prompt_beyond_the_context_is_rejected(engine: BlockPoolBatchEngine) -> None:
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"prompt \(11 tokens\) \+ max_tokens \(4090\) exceeds the model context of 4096",
+    ):
+        engine.submit("a", PROMPT, max_tokens=4090)
+    assert engine.pool.used_blocks == 0 and engine.active() == 0
+
+
+def test_cache_from_another_model_is_rejected(engine: BlockPoolBatchEngine) -> None:
+    other = BlockPoolBatchEngine(tiny_model("qwen3"), ByteTokenizer(), model_name="tiny-qwen3", pool_blocks=4)
+    uid = other.submit("a", PROMPT, max_tokens=3)
+    foreign = run_all(other)[uid].cache
+    assert foreign is not None
+    with pytest.raises(CacheMismatchError, match="cache was made for tiny-qwen3"):
+        engine.submit("a", PROMPT, cache=foreign, max_tokens=3)
+    assert engine.pool.used_blocks == 0 and engine.active() == 0
+
+
+def test_pool_full_now_is_distinct_from_never_fits(engine: BlockPoolBatchEngine) -> None:
+    engine.submit("a", PROMPT, max_tokens=4 * 256 - len(PROMPT))  # 4 of 8 blocks
+    engine.submit("b", PROMPT, max_tokens=3 * 256 - len(PROMPT))  # 3 more
+    with pytest.raises(PoolExhaustedError, match="requested 2 blocks, 1 of 8 free"):
+        engine.submit("c", PROMPT, max_tokens=300)
+    with pytest.raises(RequestTooLargeError, match="needs 9 blocks but the whole pool holds 8"):
+        engine.submit("d", PROMPT, max_tokens=9 * 256 - len(PROMPT))
+    assert engine.pool.used_blocks == 7 and engine.active() == 2
+    assert not engine.can_admit(len(PROMPT), 300) and engine.can_admit(len(PROMPT), 10)
+
+
+def test_generation_returns_blocks_and_frees_the_pool(engine: BlockPoolBatchEngine) -> None:
+    uid = engine.submit("a", PROMPT, max_tokens=20)
+    assert engine.pool.used_blocks == 1
+    done = run_all(engine)
+    completion = done[uid]
+    assert completion.finish_reason in ("length", "stop")
+    assert completion.cache is not None
+    cache = completion.cache
+    assert cache.token_ids[: len(PROMPT)] == PROMPT
+    assert cache.token_ids[len(PROMPT) :][: len(completion.token_ids)] == completion.token_ids
+    cache.validate(engine.spec)
+    assert engine.pool.used_blocks == 0
+
+
+def test_cache_offset_matches_its_token_list(engine: BlockPoolBatchEngine) -> None:
+    """mlx-lm runs one step ahead: the finished cache must cover exactly its listed tokens."""
+    uid = engine.submit("a", PROMPT, max_tokens=7, stop_tokens=[])
+    completion = run_all(engine)[uid]
+    assert completion.cache is not None
+    n_kv = sum(block.n_tokens for block in completion.cache.blocks)
+    expected = (
+        len(PROMPT) + completion.usage.generated_tokens + (1 if completion.finish_reason == "stop" else 0)
+    )
+    assert n_kv == completion.cache.n_tokens == expected
+
+
+def test_cancel_frees_blocks_and_reports_cancelled(engine: BlockPoolBatchEngine) -> None:
+    keep = engine.submit("a", PROMPT, max_tokens=8)
+    gone = engine.submit("b", PROMPT, max_tokens=600)
+    engine.step()
+    engine.step()
+    assert engine.pool.used_blocks == 1 + 3
+    cancelled = engine.cancel(gone)
+    assert cancelled is not None and cancelled.finish_reason == "cancelled" and cancelled.cache is None
+    assert engine.pool.used_blocks == 1
+    assert engine.cancel(gone) is None
+    assert set(run_all(engine)) == {keep}
+    assert engine.pool.used_blocks == 0
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(engine: BlockPoolBatchEngine) -> None:
+    alone = engine.submit("a", PROMPT, max_tokens=12, temperature=1.0, seed=7, stop_tokens=[])
+    first = run_all(engine)[alone].token_ids
+    together = engine.submit("a", PROMPT, max_tokens=12, temperature=1.0, seed=7, stop_tokens=[])
+    engine.submit("b", list(b"other prompt"), max_tokens=12, temperature=1.0, seed=8)
+    assert run_all(engine)[together].token_ids == first
+
+
+def test_text_deltas_concatenate_to_the_completion_text(engine: BlockPoolBatchEngine) -> None:
+    uids = [engine.submit(str(i), PROMPT[: 3 + i], max_tokens=30, temperature=0.8, seed=i) for i in range(3)]
+    streamed = dict.fromkeys(uids, "")
+    done: dict[int, Completion] = {}
+    while engine.has_work():
+        out = engine.step()
+        for delta in out.deltas:
+            streamed[delta.uid] += delta.text
+        for completion in out.completions:
+            done[completion.uid] = completion
+    for uid in uids:
+        assert streamed[uid] == done[uid].text
+
+
+def test_no_blocks_leak_over_many_generations(engine: BlockPoolBatchEngine) -> None:
+    start = engine.pool.used_blocks
+    for round_ in range(5):
+        uids = [engine.submit(f"a{i}", PROMPT, max_tokens=5 + i) for i in range(4)]
+        engine.step()
+        engine.cancel(uids[round_ % 4])
+        run_all(engine)
+    assert engine.pool.used_blocks == start
