@@ -60,11 +60,11 @@ def bench_blocks(repeat: int) -> list[dict[str, Any]]:
             nbytes = cache.nbytes
             src = np.random.rand(nbytes // 8)
             dst = np.empty_like(src)
-            copy = timed(lambda: np.copyto(dst, src), repeat)
+            copy = timed(lambda s=src, d=dst: np.copyto(d, s), repeat)
             # Extract must hand out new arrays, so its fair reference also pays for fresh pages.
-            fresh_copy = timed(lambda: np.copyto(np.empty_like(src), src), repeat)  # noqa: B023
-            extract = timed(lambda: caches_to_blocks(layers, tokens, spec), repeat)  # noqa: B023
-            gather = timed(lambda: blocks_to_caches(cache, n_tokens), repeat)  # noqa: B023
+            fresh_copy = timed(lambda s=src: np.copyto(np.empty_like(s), s), repeat)
+            extract = timed(lambda ls=layers, t=tokens, sp=spec: caches_to_blocks(ls, t, sp), repeat)
+            gather = timed(lambda c=cache, n=n_tokens: blocks_to_caches(c, n), repeat)
             best_copy = min(copy)
             rows.append(
                 {
@@ -82,7 +82,6 @@ def bench_blocks(repeat: int) -> list[dict[str, Any]]:
                     "extract_vs_fresh_copy": round(min(fresh_copy) / min(extract), 2),
                 }
             )
-            del layers, cache
     return rows
 
 
@@ -128,11 +127,13 @@ def bench_throughput(concurrency: list[int], max_tokens: int) -> list[dict[str, 
             for i in range(n)
         ]
 
-        def raw() -> int:
-            gen = BatchGenerator(model, completion_batch_size=n, prefill_batch_size=min(8, n), prefill_step_size=512)
-            gen.insert(prompts, max_tokens=[max_tokens] * n)  # noqa: B023
+        def raw(n: int = n, prompts: list[list[int]] = prompts) -> int:
+            gen = BatchGenerator(
+                model, completion_batch_size=n, prefill_batch_size=min(8, n), prefill_step_size=512
+            )
+            gen.insert(prompts, max_tokens=[max_tokens] * n)
             count = 0
-            live = n  # noqa: B023
+            live = n
             while live:
                 for r in gen.next_generated():
                     count += 1
@@ -140,9 +141,9 @@ def bench_throughput(concurrency: list[int], max_tokens: int) -> list[dict[str, 
             gen.close()
             return count
 
-        def ours() -> int:
-            eng = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", max_batch=n)  # noqa: B023
-            for p in prompts:  # noqa: B023
+        def ours(n: int = n, prompts: list[list[int]] = prompts) -> int:
+            eng = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", max_batch=n)
+            for p in prompts:
                 eng.submit(None, p, max_tokens=max_tokens, stop_tokens=[])
             count = 0
             while eng.has_work():

@@ -132,7 +132,7 @@ class BlockPoolBatchEngine:
                 max_tokens=[max_tokens],
                 caches=layer_caches,
                 all_tokens=[prompt[:reused]],
-                samplers=[make_sampler(temperature, top_p, seed)],
+                samplers=[make_sampler(temperature, top_p, seed)],  # type: ignore[list-item]
                 stop_sequences=[StopSequences([[t] for t in sorted(stop_ids)])],
             )
         except BaseException:

@@ -108,7 +108,9 @@ def _dequantize_all(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 def load_smollm2(dequantize: bool) -> tuple[nn.Module, Any]:
     from mlx_lm.models import llama
 
-    raw, meta = mx.load(str(gguf_path()), return_metadata=True)
+    loaded: Any = mx.load(str(gguf_path()), return_metadata=True)
+    raw: dict[str, mx.array] = loaded[0]
+    meta: dict[str, Any] = loaded[1]
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=int(_scalar(meta, "llama.embedding_length")),

@@ -16,8 +16,9 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Any:
 
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    token_types = meta["tokenizer.ggml.token_type"]
-    token_types = token_types.tolist() if isinstance(token_types, mx.array) else list(token_types)
+    raw_types: Any = meta["tokenizer.ggml.token_type"]
+    as_list: Any = raw_types.tolist() if isinstance(raw_types, mx.array) else raw_types
+    token_types: list[Any] = list(as_list)
     vocab = {token: index for index, token in enumerate(tokens)}
 
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -29,8 +30,9 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Any:
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
 
     def token_at(key: str) -> str:
-        value = meta[key]
-        return tokens[int(value.item() if isinstance(value, mx.array) else value)]
+        value: Any = meta[key]
+        index: Any = value.item() if isinstance(value, mx.array) else value
+        return tokens[int(index)]
 
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

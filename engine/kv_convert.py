@@ -18,7 +18,6 @@ from engine.blocks import AgentCache, KVBlock
 from engine.spec import ModelCacheSpec
 
 
-
 def _to_host(array: mx.array) -> np.ndarray:
     """Zero-copy numpy view of an evaluated MLX array (bfloat16 as its uint16 bits)."""
     if array.dtype == mx.bfloat16:
@@ -84,7 +83,9 @@ def caches_to_blocks(layers: list[Any], token_ids: list[int], spec: ModelCacheSp
         keys, values = _to_host(state[0])[0], _to_host(state[1])[0]
         if keys.shape[1] < n_tokens:
             raise RuntimeError(f"cache holds {keys.shape[1]} tokens but the sequence has {n_tokens}")
-        per_layer.append((_split(keys, n_tokens, spec.block_tokens), _split(values, n_tokens, spec.block_tokens)))
+        per_layer.append(
+            (_split(keys, n_tokens, spec.block_tokens), _split(values, n_tokens, spec.block_tokens))
+        )
     n_blocks = spec.blocks_for(n_tokens)
     blocks = [
         KVBlock(keys=tuple(k[i] for k, _ in per_layer), values=tuple(v[i] for _, v in per_layer))

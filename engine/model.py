@@ -33,7 +33,7 @@ def load_model(name: str = BUILTIN_MODEL, *, dequantize: bool | None = None) -> 
     else:
         from mlx_lm import load
 
-        model, tokenizer = load(name)
+        model, tokenizer = load(name)[:2]
         if dequantize and _is_quantized(model):
             from mlx_lm.utils import dequantize_model
 

@@ -46,11 +46,15 @@ def run_all(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
     return done
 
 
-def test_greedy_output_is_byte_identical_to_mlx_lm(engine: BlockPoolBatchEngine, smollm2: tuple[Any, Any]) -> None:
+def test_greedy_output_is_byte_identical_to_mlx_lm(
+    engine: BlockPoolBatchEngine, smollm2: tuple[Any, Any]
+) -> None:
     model, tokenizer = smollm2
     prompts = {name: prompt_of(tokenizer, chat) for name, chat in CHATS.items()}
     assert len(prompts["long"]) > 256, "the long prompt must span more than one block"
-    expected = {name: generate(model, tokenizer, p, max_tokens=16, verbose=False) for name, p in prompts.items()}
+    expected = {
+        name: generate(model, tokenizer, p, max_tokens=16, verbose=False) for name, p in prompts.items()
+    }
     uids = {name: engine.submit(name, p, max_tokens=16) for name, p in prompts.items()}
     done = run_all(engine)
     for name, uid in uids.items():
@@ -65,7 +69,11 @@ def test_resume_matches_fresh_run_and_prefills_only_the_suffix(
     turn1 = CHATS["long"]
     first = run_all_one(engine, prompt_of(tokenizer, turn1), max_tokens=12)
     assert first.cache is not None and first.cache.n_tokens > 256
-    turn2 = [*turn1, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Shorter, please."}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Shorter, please."},
+    ]
     prompt2 = prompt_of(tokenizer, turn2)
     assert prompt2[: first.cache.n_tokens] == first.cache.token_ids, "turn 2 must extend the cached tokens"
 
@@ -96,11 +104,15 @@ def test_edited_conversation_reuses_only_the_common_prefix(
     assert resumed.token_ids == fresh.token_ids
 
 
-def test_three_agents_in_one_batch_and_a_late_joiner(engine: BlockPoolBatchEngine, smollm2: tuple[Any, Any]) -> None:
+def test_three_agents_in_one_batch_and_a_late_joiner(
+    engine: BlockPoolBatchEngine, smollm2: tuple[Any, Any]
+) -> None:
     model, tokenizer = smollm2
     specs = [("short", 6), ("medium", 14), ("long", 10)]
     prompts = {name: prompt_of(tokenizer, CHATS[name]) for name, _ in specs}
-    expected = {name: generate(model, tokenizer, prompts[name], max_tokens=n, verbose=False) for name, n in specs}
+    expected = {
+        name: generate(model, tokenizer, prompts[name], max_tokens=n, verbose=False) for name, n in specs
+    }
     late_prompt = prompt_of(tokenizer, [{"role": "user", "content": "Name a colour."}])
     late_expected = generate(model, tokenizer, late_prompt, max_tokens=5, verbose=False)
 
