@@ -3,6 +3,10 @@
 Text is released only once it can no longer change: a token may end inside a
 multi-byte character (decoded as U+FFFD until the next token), and the tail of the
 text may be the start of a stop string, which must never reach the reader.
+
+Decoding is windowed: each token decodes only the tokens since the last clean
+boundary (plus the previous window, so tokenizers that treat a leading space
+specially see the same context), keeping the per-token cost flat over long answers.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ class TextStream:
         self._stop = tuple(s for s in stop if s)
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.tokens: list[int] = []
-        self._text = ""  # decoded text so far, only up to a clean character boundary
+        self._prefix_offset = 0  # window start: context for the decoder
+        self._read_offset = 0  # tokens up to here are already part of _text
+        self._text = ""  # decoded text so far, up to a clean character boundary
         self._emitted = 0  # characters of _text already released
         self.stopped = False  # a stop string was found; text ends before it
 
@@ -27,10 +33,11 @@ class TextStream:
         if self.stopped:
             return ""
         self.tokens.append(token)
-        text = self._tokenizer.decode(self.tokens)
-        if text.endswith(REPLACEMENT):
+        new_text = self._decode_window()
+        if new_text is None:
             return ""
-        self._text = text
+        self._text += new_text
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
         if self._stop:
             search_from = max(0, self._emitted - self._holdback)
             cut = min(
@@ -44,14 +51,23 @@ class TextStream:
         return self._release(len(self._text) - self._holdback)
 
     def finish(self) -> str:
-        """Release everything left (the sequence ended)."""
-        if not self.stopped:
-            self._text = self._tokenizer.decode(self.tokens)
+        """Release everything left (the sequence ended), incomplete characters included."""
+        if not self.stopped and self._read_offset < len(self.tokens):
+            self._text += self._decode_window(final=True) or ""
+            self._read_offset = len(self.tokens)
         return self._release(len(self._text))
 
     @property
     def text(self) -> str:
         return self._text
+
+    def _decode_window(self, final: bool = False) -> str | None:
+        """Text added by tokens after _read_offset, or None while it ends mid-character."""
+        before = self._tokenizer.decode(self.tokens[self._prefix_offset : self._read_offset])
+        after = self._tokenizer.decode(self.tokens[self._prefix_offset :])
+        if not final and (len(after) <= len(before) or after.endswith(REPLACEMENT)):
+            return None
+        return after[len(before) :]
 
     def _release(self, upto: int) -> str:
         if upto <= self._emitted:

@@ -29,3 +29,17 @@ def test_partial_stop_prefix_is_released_when_it_does_not_match() -> None:
     deltas = feed(stream, "EN then")
     assert not stream.stopped
     assert "".join(deltas) + stream.finish() == "EN then"
+
+
+def test_windowed_decoding_matches_a_full_decode_over_long_text() -> None:
+    text = "naïve café — 東京タワー 🚀 " * 40
+    stream = TextStream(ByteTokenizer())
+    out = "".join(feed(stream, text)) + stream.finish()
+    assert out == text == stream.text
+
+
+def test_finish_releases_an_incomplete_character_as_replacement() -> None:
+    stream = TextStream(ByteTokenizer())
+    deltas = feed(stream, "ok") + [stream.add("€".encode()[0])]
+    assert "".join(deltas) == "ok"
+    assert stream.finish() == "\ufffd"
