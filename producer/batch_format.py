@@ -119,7 +119,7 @@ def key_of_output(record: Mapping[str, Any]) -> str | None:
     return None
 
 
-def parse_lines(lines: Iterable[str]) -> list[ParsedLine]:
+def parse_lines(lines: Iterable[str | bytes]) -> list[ParsedLine]:
     """Parse every non-blank line; a custom_id seen before makes the later line a `duplicate_custom_id` error.
 
     The first line to claim a custom_id keeps it even when that line is itself bad, so every custom_id
@@ -127,22 +127,32 @@ def parse_lines(lines: Iterable[str]) -> list[ParsedLine]:
     """
     parsed: list[ParsedLine] = []
     first_line: dict[str, int] = {}
-    for index, text in enumerate(lines, start=1):
-        if not text.strip():
+    for index, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
-        item = parse_line(index, text)
-        if item.custom_id is not None:
-            if item.custom_id in first_line:
+        item = _decode_and_parse(index, raw)
+        custom_id = item.custom_id
+        if custom_id is not None:
+            if custom_id in first_line:
                 item = BadLine(
                     index,
                     None,
                     "duplicate_custom_id",
-                    f"custom_id {item.custom_id!r} is already used on line {first_line[item.custom_id]}",
+                    f"custom_id {custom_id!r} is already used on line {first_line[custom_id]}",
                 )
             else:
-                first_line[item.custom_id] = index
+                first_line[custom_id] = index
         parsed.append(item)
     return parsed
+
+
+def _decode_and_parse(line: int, raw: str | bytes) -> ParsedLine:
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return BadLine(line, None, "invalid_json", f"line {line} is not UTF-8 (byte {exc.start})")
+    return parse_line(line, raw)
 
 
 def parse_line(line: int, text: str) -> ParsedLine:
@@ -150,7 +160,9 @@ def parse_line(line: int, text: str) -> ParsedLine:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        return BadLine(line, None, "invalid_json", f"line {line} is not valid JSON: {exc.msg} (column {exc.colno})")
+        return BadLine(
+            line, None, "invalid_json", f"line {line} is not valid JSON: {exc.msg} (column {exc.colno})"
+        )
     if not isinstance(record, dict):
         return BadLine(line, None, "invalid_json", f"line {line} is not a JSON object")
     custom_id = record.get("custom_id")
@@ -165,7 +177,9 @@ def parse_line(line: int, text: str) -> ParsedLine:
 def _parse_record(line: int, custom_id: str, record: dict[str, Any]) -> BatchRequest:
     unknown = sorted(set(record) - LINE_FIELDS)
     if unknown:
-        raise LineError("invalid_request", f"unknown field(s) {', '.join(unknown)} (allowed: {_names(LINE_FIELDS)})")
+        raise LineError(
+            "invalid_request", f"unknown field(s) {', '.join(unknown)} (allowed: {_names(LINE_FIELDS)})"
+        )
     method = record.get("method", "POST")
     if method != "POST":
         raise LineError("invalid_request", f"'method' must be \"POST\", not {method!r}")
@@ -173,7 +187,9 @@ def _parse_record(line: int, custom_id: str, record: dict[str, Any]) -> BatchReq
     if url is None:
         raise LineError("invalid_request", "missing 'url' (/v1/chat/completions or /v1/completions)")
     if url not in URLS:
-        raise LineError("unsupported_url", f"url {url!r} is not supported (use {CHAT_URL} or {COMPLETIONS_URL})")
+        raise LineError(
+            "unsupported_url", f"url {url!r} is not supported (use {CHAT_URL} or {COMPLETIONS_URL})"
+        )
     body = record.get("body")
     if body is None:
         raise LineError("invalid_request", "missing 'body'")
@@ -203,10 +219,12 @@ def _agent_id(ext: Any) -> str | None:
     if ext is None:
         return None
     if not isinstance(ext, dict):
-        raise LineError("invalid_request", "'kvrq' must be a JSON object like {\"agent_id\": \"a1\"}")
+        raise LineError("invalid_request", "'kvrq' must be an object like {'agent_id': 'a1'}")
     unknown = sorted(set(ext) - KVRQ_FIELDS)
     if unknown:
-        raise LineError("invalid_request", f"unknown field(s) in 'kvrq': {', '.join(unknown)} (allowed: agent_id)")
+        raise LineError(
+            "invalid_request", f"unknown field(s) in 'kvrq': {', '.join(unknown)} (allowed: agent_id)"
+        )
     agent_id = ext.get("agent_id")
     if agent_id is not None and (not isinstance(agent_id, str) or not agent_id):
         raise LineError("invalid_request", "'kvrq.agent_id' must be a non-empty string")
@@ -219,13 +237,15 @@ def _check_body_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
             continue
         if name in NEUTRAL_VALUES:
             if value not in NEUTRAL_VALUES[name]:
-                raise LineError("invalid_request", f"body.{name}={json.dumps(value)} is not supported by kvrq")
+                raise LineError(
+                    "invalid_request", f"body.{name}={json.dumps(value)} is not supported by kvrq"
+                )
             continue
         raise LineError("invalid_request", f"unknown field 'body.{name}'")
 
 
 def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
-    """Sampling fields with OpenAI's defaults (temperature 1, top_p 1), since the file was written for them."""
+    """Sampling fields with OpenAI's defaults (temperature 1, top_p 1): the file was written for them."""
     out: dict[str, Any] = {
         "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
         "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
@@ -259,13 +279,17 @@ def _chat_request(body: dict[str, Any]) -> dict[str, Any]:
 
 def _message(index: int, message: Any) -> dict[str, str]:
     if not isinstance(message, dict):
-        raise LineError("invalid_request", f"body.messages[{index}] must be an object with 'role' and 'content'")
+        raise LineError(
+            "invalid_request", f"body.messages[{index}] must be an object with 'role' and 'content'"
+        )
     role = message.get("role")
     if not isinstance(role, str):
         raise LineError("invalid_request", f"body.messages[{index}].role must be a string")
     unknown = sorted(set(message) - {"role", "content", "name"})
     if unknown:
-        raise LineError("invalid_request", f"body.messages[{index}] has unsupported field(s) {', '.join(unknown)}")
+        raise LineError(
+            "invalid_request", f"body.messages[{index}] has unsupported field(s) {', '.join(unknown)}"
+        )
     return {"role": CHAT_ROLES.get(role, role), "content": _content(index, message.get("content"))}
 
 
@@ -276,12 +300,20 @@ def _content(index: int, content: Any) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise LineError("invalid_request", f"body.messages[{index}]: content part {kind!r} is not supported")
+                raise LineError(
+                    "invalid_request", f"body.messages[{index}]: content part {kind!r} is not supported"
+                )
             texts.append(part["text"])
         return "".join(texts)
-    raise LineError("invalid_request", f"body.messages[{index}].content must be a string or a list of text parts")
+    raise LineError(
+        "invalid_request", f"body.messages[{index}].content must be a string or a list of text parts"
+    )
 
 
 def _completion_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -311,7 +343,9 @@ def _names(names: Iterable[str]) -> str:
 # ---- output lines ----------------------------------------------------------------------------------
 
 
-def success_line(item: BatchRequest, job_id: str, result: Mapping[str, Any], created: int | None = None) -> dict:
+def success_line(
+    item: BatchRequest, job_id: str, result: Mapping[str, Any], created: int | None = None
+) -> dict:
     """An output line for a finished job: `response.body` is a chat.completion or a text_completion."""
     usage = result.get("usage") or {}
     prompt_tokens = int(usage.get("prompt_tokens", 0))
@@ -365,6 +399,7 @@ def success_line(item: BatchRequest, job_id: str, result: Mapping[str, Any], cre
                 "generated_tokens": generated,
             },
             "timings": result.get("timings"),
+            "worker": result.get("worker"),
         },
     }
 
@@ -395,6 +430,6 @@ def bad_line_output(run_id: str, bad: BadLine) -> dict:
 def failure_code(message: str) -> ErrorCode:
     """Classify a failed job's error text from the worker (its exception name and message)."""
     lowered = message.lower()
-    if "toolarge" in lowered.replace(" ", "").replace("_", "") or "context" in lowered:
+    if "requesttoolarge" in lowered or "exceeds the model context" in lowered or "context length" in lowered:
         return "context_length_exceeded"
     return "job_failed"

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from redis import Redis
+from redis.exceptions import WatchError
+from redis.typing import EncodableT, FieldT
 
 RunState = Literal["submitting", "running", "done", "cancelled"]
 STATES: tuple[RunState, ...] = ("submitting", "running", "done", "cancelled")
@@ -28,6 +30,7 @@ COUNT_FIELDS = ("total", "queued", "running", "done", "failed", "invalid")
 RUN_PREFIX = "kvrq:batch:run:"
 RUN_INDEX = "kvrq:batch:runs"
 RUN_TTL_S = 7 * 24 * 3600
+INDEX_TTL_S = 30 * 24 * 3600  # `kvrq batch status` lists runs started within this window
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SAFE_CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -91,7 +94,9 @@ class BatchRun:
     def exists(self) -> bool:
         return bool(self.connection.exists(self.key))
 
-    def start(self, *, queue: str, total: int, input_path: str, output_path: str, concurrency: int) -> str | None:
+    def start(
+        self, *, queue: str, total: int, input_path: str, output_path: str, concurrency: int
+    ) -> str | None:
         """Create the record or take it over for a rerun; returns the state it had before (None if new)."""
         now = repr(time.time())
         previous = self.connection.hget(self.key, "state")
@@ -115,41 +120,60 @@ class BatchRun:
         pipe.persist(self.key)
         pipe.persist(self.jobs_key)
         pipe.zadd(RUN_INDEX, {self.run_id: time.time()}, nx=True)
+        pipe.zremrangebyscore(RUN_INDEX, "-inf", time.time() - INDEX_TTL_S)  # keep the index from growing
         pipe.execute()
-        return previous.decode() if previous is not None else None
+        return _text(previous) if previous is not None else None
 
-    def add_job(self, job_id: str) -> None:
-        """Record a job id before it is enqueued, so the run always knows every job it may own."""
-        self.connection.sadd(self.jobs_key, job_id)
+    def add_jobs(self, job_ids: Iterable[str]) -> None:
+        """Record job ids before they are enqueued, so the run always knows every job it may own."""
+        ids = list(job_ids)
+        if ids:
+            self.connection.sadd(self.jobs_key, *ids)
 
     def job_ids(self) -> set[str]:
-        return {j.decode() for j in self.connection.smembers(self.jobs_key)}
+        return {_text(j) for j in self.connection.smembers(self.jobs_key)}
 
-    def update(self, *, state: RunState | None = None, **counts: int) -> None:
-        """Store counts (and state) and beat the client's heartbeat."""
-        now = repr(time.time())
-        mapping: dict[str, Any] = {"updated_at": now, "heartbeat_at": now, **counts}
-        if state is not None:
-            mapping["state"] = state
-        pipe = self.connection.pipeline()
-        pipe.hset(self.key, mapping=mapping)
-        if state in ("done", "cancelled"):
-            pipe.expire(self.key, RUN_TTL_S)
-            pipe.expire(self.jobs_key, RUN_TTL_S)
-        pipe.execute()
+    def update(self, *, state: RunState | None = None, **counts: int) -> str | None:
+        """Store counts and state, beat the client's heartbeat; returns the state stored before.
+
+        A cancelled run stays cancelled (only "done" replaces it): `kvrq batch cancel` may land between
+        the driver's read and its write, so the check and the write are one transaction.
+        """
+        with self.connection.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(self.key)
+                    raw = pipe.hget(self.key, "state")
+                    before = _text(raw) if raw is not None else None
+                    now = repr(time.time())
+                    mapping: dict[FieldT, EncodableT] = {"updated_at": now, "heartbeat_at": now}
+                    mapping.update(counts)
+                    if state is not None and not (before == "cancelled" and state != "done"):
+                        mapping["state"] = state
+                    final = mapping.get("state", before) in ("done", "cancelled")
+                    pipe.multi()
+                    pipe.hset(self.key, mapping=mapping)
+                    if final:
+                        pipe.expire(self.key, RUN_TTL_S)
+                        pipe.expire(self.jobs_key, RUN_TTL_S)
+                    pipe.execute()
+                    return before
+                except WatchError:
+                    continue
 
     def state(self) -> str | None:
         value = self.connection.hget(self.key, "state")
-        return value.decode() if value is not None else None
+        return _text(value) if value is not None else None
 
     def mark_cancelled(self) -> None:
+        self.connection.hset(self.key, "cancelled_at", repr(time.time()))
         self.update(state="cancelled")
 
     def info(self) -> RunInfo | None:
         raw = self.connection.hgetall(self.key)
         if not raw:
             return None
-        data = {k.decode(): v.decode() for k, v in raw.items()}
+        data = {_text(k): _text(v) for k, v in raw.items()}
         counts = {name: int(data.pop(name, "0") or 0) for name in COUNT_FIELDS}
         state = data.pop("state", "unknown")
         queue = data.pop("queue", "")
@@ -162,8 +186,8 @@ def list_runs(connection: Redis, limit: int = 20) -> list[RunInfo]:
     """The most recent runs still recorded, newest first."""
     infos: list[RunInfo] = []
     stale: list[str] = []
-    for raw in connection.zrevrange(RUN_INDEX, 0, max(limit * 2, limit) - 1):
-        run_id = raw.decode()
+    for raw in connection.zrevrange(RUN_INDEX, 0, limit * 2 - 1):
+        run_id = _text(raw)
         info = BatchRun(connection, run_id).info()
         if info is None:
             stale.append(run_id)
@@ -183,3 +207,7 @@ def chunks(items: Iterable[str], size: int) -> Iterable[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -5,6 +5,7 @@ Only redis, rq and pydantic are needed here: a web app that enqueues jobs never 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -38,7 +39,9 @@ _POLL_S = 1.0
 class JobFailedError(Exception):
     """The job ended without a result; `reason` is the worker's one-line reason."""
 
-    def __init__(self, job_id: str, reason: str, *, status: str = "failed", details: str | None = None) -> None:
+    def __init__(
+        self, job_id: str, reason: str, *, status: str = "failed", details: str | None = None
+    ) -> None:
         self.job_id = job_id
         self.reason = reason
         self.status = status
@@ -110,9 +113,9 @@ class JobHandle:
             if block <= 0:
                 raise ResultTimeoutError(f"job {self.id} did not end within {timeout} s")
             # Woken as soon as the worker writes a result; the poll catches cancels (no result).
-            latest = self.connection.xrevrange(results_key, "+", "-", count=1)
+            latest: Any = self.connection.xrevrange(results_key, "+", "-", count=1)
             last_id = latest[0][0] if latest else "0-0"
-            self.connection.xread({results_key: last_id}, block=max(1, int(block * 1000)), count=1)
+            self._read(results_key, last_id, block=block, count=1)
 
     def _outcome(self) -> GenerationResult | None:
         status = self.status()
@@ -128,6 +131,14 @@ class JobHandle:
         details = latest.exc_string if latest is not None else None
         raise JobFailedError(self.id, failure_reason(details), status=status, details=details)
 
+    def _read(
+        self, key: str, last_id: bytes | str, *, block: float | None, count: int
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Entries of one stream after `last_id`, waiting up to `block` seconds for the first."""
+        block_ms = None if block is None else max(1, int(block * 1000))
+        response: Any = self.connection.xread({key: last_id}, block=block_ms, count=count)
+        return list(response[0][1]) if response else []
+
     def cancel(self) -> bool:
         """Ask for the job to be canceled; False if it had already ended.
 
@@ -142,10 +153,10 @@ class JobHandle:
         # The flag first: a worker that dequeues the job at this very moment still sees it.
         self.connection.set(cancel_key(self.id), 1, ex=CANCEL_FLAG_TTL_S)
         if status == JobStatus.STARTED:
-            try:
+            with contextlib.suppress(
+                InvalidJobOperation, NoSuchJobError
+            ):  # not running after all: the flag covers it
                 send_stop_job_command(self.connection, self.id, serializer=self._serializer)
-            except (InvalidJobOperation, NoSuchJobError):
-                pass  # not running after all: the flag covers it
             return True
         try:
             job.cancel()
@@ -163,9 +174,9 @@ class JobHandle:
             block = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if block <= 0:
                 raise ResultTimeoutError(f"job {self.id} did not end within {timeout} s")
-            response = self.connection.xread({key: last_id}, block=max(1, int(block * 1000)), count=1024)
-            if response:
-                for entry_id, fields in response[0][1]:
+            entries = self._read(key, last_id, block=block, count=1024)
+            if entries:
+                for entry_id, fields in entries:
                     last_id = entry_id
                     seen_any = True
                     event = StreamEvent.from_fields(fields)
@@ -193,9 +204,9 @@ class JobHandle:
         if status not in TERMINAL_STATUSES:
             return None
         # The worker writes the end marker before it finishes the rq job: read what is left.
-        rest = self.connection.xread({key: last_id}, count=100_000)
+        rest = self._read(key, last_id, block=None, count=100_000)
         if rest:
-            events = [StreamEvent.from_fields(fields) for _, fields in rest[0][1]]
+            events = [StreamEvent.from_fields(fields) for _, fields in rest]
             if events and events[-1].final:
                 return events
         if status == JobStatus.CANCELED:
@@ -210,12 +221,21 @@ class JobHandle:
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         """Text deltas as the worker generates them (from the start, also for a late reader).
 
-        Raises JobFailedError if the job fails; ends quietly when it is canceled.
+        Raises JobFailedError if the job fails; ends quietly when it is canceled. A job run
+        again after a worker crash or drain streams again from its start: the text already
+        yielded is skipped, which is exact for greedy or seeded requests.
         """
+        yielded = 0  # characters handed to the caller
+        attempt_chars = 0  # characters the current attempt has produced
         for event in self.events(timeout=timeout):
-            if event.kind == "delta":
-                if event.text:
-                    yield event.text
+            if event.kind == "start":
+                attempt_chars = 0
+            elif event.kind == "delta" and event.text:
+                skip = max(0, yielded - attempt_chars)
+                attempt_chars += len(event.text)
+                if skip < len(event.text):
+                    yielded += len(event.text) - skip
+                    yield event.text[skip:]
             elif event.kind == "error":
                 raise JobFailedError(self.id, event.error or "failed")
 
@@ -258,8 +278,10 @@ class Producer:
     def handle(self, job_id: str) -> JobHandle:
         return JobHandle(self.connection, job_id)
 
-    def submit(self, request: GenerationRequest | Mapping[str, Any], *, job_id: str | None = None) -> JobHandle:
-        """Validate and enqueue one request. With `job_id`, a job that already exists is not enqueued again."""
+    def submit(
+        self, request: GenerationRequest | Mapping[str, Any], *, job_id: str | None = None
+    ) -> JobHandle:
+        """Validate, enqueue one request; with `job_id`, a job that already exists is not enqueued again."""
         return self.submit_many([request], job_ids=None if job_id is None else [job_id])[0]
 
     def submit_many(
@@ -268,7 +290,7 @@ class Producer:
         *,
         job_ids: Sequence[str] | None = None,
     ) -> list[JobHandle]:
-        """Validate all requests first (nothing is enqueued if one is invalid), then enqueue in one round trip.
+        """Validate all requests first (none is enqueued if one is invalid), then enqueue in one round trip.
 
         With `job_ids`, ids that already name a job get a handle to that job instead of a new one,
         so a resubmission after a crash is idempotent.
@@ -288,7 +310,7 @@ class Producer:
                     pipe.watch(*keys)
                     exists = [bool(pipe.exists(key)) for key in keys]
                     pipe.multi()
-                    for request, job_id, existing in zip(validated, job_ids, exists):
+                    for request, job_id, existing in zip(validated, job_ids, exists, strict=True):
                         if not existing:
                             self._enqueue(request, job_id, pipe)
                     pipe.execute()

@@ -53,10 +53,14 @@ class GenerationRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict, description="opaque, echoed back in the result")
 
     # Queue options (rq): not sent to the worker as part of the payload.
-    queue: str | None = Field(default=None, pattern=QUEUE_NAME_PATTERN, description="queue name (default: producer's)")
+    queue: str | None = Field(
+        default=None, pattern=QUEUE_NAME_PATTERN, description="queue name (default: producer's)"
+    )
     at_front: bool = Field(default=False, description="enqueue at the head of the queue (priority)")
     job_timeout: int | None = Field(default=None, gt=0, description="seconds a job may run once started")
-    result_ttl: int | None = Field(default=None, ge=-1, description="seconds the result is kept (-1: forever)")
+    result_ttl: int | None = Field(
+        default=None, ge=-1, description="seconds the result is kept (-1: forever)"
+    )
     retries: int = Field(default=0, ge=0, le=100, description="re-runs after a failure or a worker crash")
 
     @field_validator("stop")
@@ -104,7 +108,8 @@ class Timings(BaseModel):
     total_s: float = Field(description="enqueue until the result was ready")
     cache_load_s: float = Field(default=0.0, description="reading the agent's cache from the store")
     engine_time_to_first_token_s: float | None = Field(
-        default=None, description="the engine's own time from submit to first token"
+        default=None,
+        description="the engine's own part: from its submit() to the step() that returned the first token",
     )
 
 

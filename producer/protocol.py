@@ -35,14 +35,15 @@ def agent_lock_key(agent_id: str) -> str:
 
 CANCEL_FLAG_TTL_S = 24 * 3600
 
-EventKind = Literal["delta", "end", "error"]
+EventKind = Literal["start", "delta", "end", "error"]
 
 
 @dataclass(frozen=True)
 class StreamEvent:
     """One entry of a job's stream.
 
-    `delta`: `text` (possibly empty while a character is incomplete) and `token`;
+    `start`: a worker began (or, after a crash or drain, began again) an `attempt` of the job;
+    `delta`: `text` (empty while a character is incomplete, and for the stop token) and `token`;
     `end`: `finish_reason` ("stop", "length" or "cancelled"); `error`: `error` (the reason).
     """
 
@@ -51,8 +52,11 @@ class StreamEvent:
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    attempt: str | None = None
 
     def to_fields(self) -> dict[str, str]:
+        if self.kind == "start":
+            return {"e": "start", "attempt": self.attempt or ""}
         if self.kind == "delta":
             return {"e": "delta", "t": self.text, "tok": str(self.token if self.token is not None else -1)}
         if self.kind == "end":
@@ -63,6 +67,8 @@ class StreamEvent:
     def from_fields(cls, fields: dict[bytes, bytes] | dict[str, str]) -> StreamEvent:
         data = {_text(k): _text(v) for k, v in fields.items()}
         kind = data.get("e")
+        if kind == "start":
+            return cls("start", attempt=data.get("attempt") or None)
         if kind == "delta":
             token = int(data.get("tok", "-1"))
             return cls("delta", text=data.get("t", ""), token=None if token < 0 else token)
@@ -74,7 +80,7 @@ class StreamEvent:
 
     @property
     def final(self) -> bool:
-        return self.kind != "delta"
+        return self.kind in ("end", "error")
 
 
 def _text(value: bytes | str) -> str:

@@ -24,7 +24,9 @@ def validate_agent_id(agent_id: object) -> str:
     if not isinstance(agent_id, str):
         raise InvalidAgentIdError(f"agent id must be a string, not {type(agent_id).__name__}")
     if not agent_id or len(agent_id) > MAX_AGENT_ID_LENGTH:
-        raise InvalidAgentIdError(f"agent id must be 1 to {MAX_AGENT_ID_LENGTH} characters, got {len(agent_id)}")
+        raise InvalidAgentIdError(
+            f"agent id must be 1 to {MAX_AGENT_ID_LENGTH} characters, got {len(agent_id)}"
+        )
     if _AGENT_ID.fullmatch(agent_id) is None:
         raise InvalidAgentIdError(
             f"agent id {agent_id!r} must start with a letter or digit and use only "

@@ -8,7 +8,10 @@ still points at a missing block is the cache broken.
 
 from __future__ import annotations
 
+import builtins
+import dataclasses
 import time
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,21 +24,75 @@ from store import quant
 from store.agent_ids import validate_agent_id
 from store.base import BACKEND_COUNTERS, CacheInfo, Stats, log, record_miss, shared_prefix
 from store.block_codec import EncodedBlock, decode_block, encode_block
-from store.errors import ABSENT, BACKEND_ERROR, MISSING_BLOCK, NO_COMMON_PREFIX, BadCacheError
+from store.errors import (
+    ABSENT,
+    BACKEND_ERROR,
+    DAMAGE,
+    MISSING_BLOCK,
+    NO_COMMON_PREFIX,
+    UNEXPECTED,
+    BadCacheError,
+)
+from store.iopool import map_parallel
 from store.manifest import BlockRef, Manifest, block_name, chain_keys, decode_manifest, new_generation
 
 _READ_ATTEMPTS = 3
+BUDGET_RESCAN_S = 5.0
 
 Blob = bytes | bytearray | memoryview
 
 
-@dataclass(frozen=True)
-class WritePlan:
-    """A put worked out against the previous manifest: which blocks to write, which to keep."""
+class _Rewritten(Exception):
+    """A block vanished because a writer replaced the manifest meanwhile: read again."""
 
-    manifest: Manifest
-    new_blocks: list[tuple[BlockRef, EncodedBlock]]
-    reused: int
+
+@dataclass(frozen=True)
+class Usage:
+    """One stored agent as budget enforcement sees it."""
+
+    handle: str  # what `_remove` takes (a directory key on disk, the agent id in Redis)
+    agent_id: str | None  # None when the manifest is too damaged to name its agent
+    nbytes: int
+    last_used: float
+
+
+@dataclass(frozen=True)
+class NewBlock:
+    """A block a put must write (its CRC-32 may still be computing)."""
+
+    name: str
+    chain: str
+    n_tokens: int
+    encoded: EncodedBlock
+
+    def ref(self) -> BlockRef:
+        return BlockRef(self.name, self.chain, self.n_tokens, self.encoded.nbytes, self.encoded.crc32)
+
+
+@dataclass
+class WritePlan:
+    """A put worked out against the previous manifest: blocks to write and blocks to keep, in order."""
+
+    draft: Manifest  # every field but `blocks`
+    slots: list[BlockRef | NewBlock]
+
+    @property
+    def new_blocks(self) -> list[NewBlock]:
+        return [slot for slot in self.slots if isinstance(slot, NewBlock)]
+
+    @property
+    def reused(self) -> int:
+        return sum(1 for slot in self.slots if isinstance(slot, BlockRef))
+
+    @property
+    def kept_names(self) -> list[str]:
+        """Blocks this plan references without writing them (reused from the previous manifest)."""
+        return [slot.name for slot in self.slots if isinstance(slot, BlockRef)]
+
+    def manifest(self) -> Manifest:
+        """The manifest to swap in once the new blocks are written (waits for their CRCs)."""
+        refs = tuple(slot.ref() if isinstance(slot, NewBlock) else slot for slot in self.slots)
+        return dataclasses.replace(self.draft, blocks=refs)
 
 
 class BlockBackend(ABC):
@@ -59,6 +116,8 @@ class BlockBackend(ABC):
         self.group_size = group_size if quantization != "none" else 0
         self.max_bytes = max_bytes
         self._stats = Stats(BACKEND_COUNTERS)
+        self._estimated_bytes = 0
+        self._last_scan = -float("inf")
 
     # --- raw storage, supplied by each backend -------------------------------------------------
     @abstractmethod
@@ -68,9 +127,31 @@ class BlockBackend(ABC):
     def _read_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[Blob | None]:
         """The blobs of `refs` in order; None for a block that is not there."""
 
+    def _fetch_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[tuple[Blob, int] | None]:
+        """Each block's blob with its CRC-32 (computed on helper threads), None where missing."""
+        blobs = self._read_blocks(agent_id, refs)
+        crcs = map_parallel(lambda b: None if b is None else zlib.crc32(b), blobs)
+        return [None if b is None or c is None else (b, c) for b, c in zip(blobs, crcs, strict=True)]
+
     @abstractmethod
-    def _touch(self, agent_id: str) -> None:
-        """Record that the agent was just used (for LRU eviction and `info`)."""
+    def _touch(self, agent_id: str, manifest: Manifest) -> None:
+        """Record that the agent was just used (for LRU eviction, TTL and `info`)."""
+
+    # --- the rest of CacheStore, per backend --------------------------------------------------------
+    @abstractmethod
+    def put(self, agent_id: str, cache: AgentCache) -> None: ...
+
+    @abstractmethod
+    def delete(self, agent_id: str) -> bool: ...
+
+    @abstractmethod
+    def list(self) -> builtins.list[str]: ...
+
+    @abstractmethod
+    def info(self, agent_id: str) -> CacheInfo | None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
 
     # --- reads ---------------------------------------------------------------------------------
     def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
@@ -80,41 +161,84 @@ class BlockBackend(ABC):
             cache = self._load(agent_id, prompt_tokens)
         except BadCacheError as exc:
             record_miss(self._stats, self.kind, agent_id, exc.reason, exc.detail)
+            if exc.reason in DAMAGE and exc.manifest_blob is not None:
+                self._discard_damaged(agent_id, exc.manifest_blob)
             return None
-        except (OSError, self._backend_errors()) as exc:
+        except self._io_errors() as exc:
             record_miss(self._stats, self.kind, agent_id, BACKEND_ERROR, repr(exc))
+            return None
+        except Exception as exc:  # never let a read take the worker down: prefill instead
+            record_miss(self._stats, self.kind, agent_id, UNEXPECTED, repr(exc))
+            log.exception("%s: unexpected error reading agent %r", self.kind, agent_id)
             return None
         self._stats.add("hits")
         return cache
 
-    def _backend_errors(self) -> tuple[type[BaseException], ...]:
+    def record_miss(self, agent_id: str, reason: str, detail: str) -> None:
+        """Count and log a miss found by a layer in front of this backend (the hot tier)."""
+        record_miss(self._stats, self.kind, agent_id, reason, detail)
+
+    def _backend_errors(self) -> tuple[type[Exception], ...]:
+        """The client library's error types (Redis's), besides OSError."""
         return ()
+
+    def _io_errors(self) -> tuple[type[Exception], ...]:
+        return (OSError, *self._backend_errors())
+
+    def _discard_damaged(self, agent_id: str, manifest_blob: Blob) -> None:
+        """Delete a damaged cache, unless a writer replaced its manifest since it was read.
+
+        Otherwise the next put would keep referencing (reusing) the damaged blocks.
+        """
+        try:
+            if self._remove_if_manifest_is(agent_id, bytes(manifest_blob)):
+                self._stats.add("discarded")
+                log.warning("%s: deleted the damaged cache of agent %r", self.kind, agent_id)
+        except self._io_errors() as exc:
+            log.warning("%s: could not delete the damaged cache of agent %r: %r", self.kind, agent_id, exc)
+
+    @abstractmethod
+    def _remove_if_manifest_is(self, agent_id: str, manifest_blob: bytes) -> bool:
+        """Atomically delete the agent's cache if its manifest still holds exactly these bytes."""
 
     def _load(self, agent_id: str, prompt_tokens: Sequence[int] | None) -> AgentCache:
         for _attempt in range(_READ_ATTEMPTS):
             blob = self._read_manifest(agent_id)
             if blob is None:
                 raise BadCacheError(ABSENT, "no cache stored")
-            manifest = decode_manifest(blob, agent_id, self.spec)
-            n_tokens = shared_prefix(manifest.token_ids, prompt_tokens)
-            if n_tokens == 0 and manifest.n_tokens > 0:
-                raise BadCacheError(NO_COMMON_PREFIX, "the prompt shares no token with the cache")
-            refs = manifest.blocks[: self.spec.blocks_for(n_tokens)]
-            blobs = self._read_blocks(agent_id, refs)
-            if any(b is None for b in blobs):
-                if self._manifest_generation(agent_id) != manifest.generation:
-                    continue  # rewritten while we read: read the new one
-                missing = next(ref.name for ref, b in zip(refs, blobs) if b is None)
-                raise BadCacheError(MISSING_BLOCK, f"block {missing} is gone")
-            blocks = [decode_block(b, ref, manifest) for b, ref in zip(blobs, refs) if b is not None]
-            self._stats.add("bytes_read", len(blob) + sum(ref.nbytes for ref in refs))
-            covered = sum(ref.n_tokens for ref in refs)
-            cache = AgentCache(self.spec, manifest.token_ids[:covered].tolist(), blocks)
-            if n_tokens < covered:
-                cache = cache.truncated(n_tokens)
-            self._touch(agent_id)
-            return cache
+            try:
+                return self._load_from(agent_id, blob, prompt_tokens)
+            except _Rewritten:
+                continue
+            except BadCacheError as exc:
+                exc.manifest_blob = blob
+                raise
         raise BadCacheError(MISSING_BLOCK, f"cache kept changing during {_READ_ATTEMPTS} reads")
+
+    def _load_from(self, agent_id: str, blob: Blob, prompt_tokens: Sequence[int] | None) -> AgentCache:
+        manifest = decode_manifest(blob, agent_id, self.spec)
+        n_tokens = shared_prefix(manifest.token_ids, prompt_tokens)
+        if n_tokens == 0 and manifest.n_tokens > 0:
+            raise BadCacheError(NO_COMMON_PREFIX, "the prompt shares no token with the cache")
+        refs = manifest.blocks[: self.spec.blocks_for(n_tokens)]
+        fetched = self._fetch_blocks(agent_id, refs)
+        if any(f is None for f in fetched):
+            if self._manifest_generation(agent_id) != manifest.generation:
+                raise _Rewritten  # rewritten while we read: read the new one
+            missing = next(ref.name for ref, f in zip(refs, fetched, strict=True) if f is None)
+            raise BadCacheError(MISSING_BLOCK, f"block {missing} is gone")
+        present = [f for f in fetched if f is not None]
+        blocks = [decode_block(b, ref, manifest, crc=c) for (b, c), ref in zip(present, refs, strict=True)]
+        self._stats.add("bytes_read", len(blob) + sum(ref.nbytes for ref in refs))
+        covered = sum(ref.n_tokens for ref in refs)
+        cache = AgentCache(self.spec, manifest.token_ids[:covered].tolist(), blocks)
+        if n_tokens < covered:
+            cache = cache.truncated(n_tokens)
+        try:
+            self._touch(agent_id, manifest)
+        except self._io_errors() as exc:  # the cache is good: only its last-used time is stale
+            log.debug("%s: could not record the use of agent %r: %r", self.kind, agent_id, exc)
+        return cache
 
     def _manifest_generation(self, agent_id: str) -> str | None:
         blob = self._read_manifest(agent_id)
@@ -147,68 +271,77 @@ class BlockBackend(ABC):
             self.group_size,
         ):
             reusable = {(ref.chain, ref.n_tokens): ref for ref in previous.blocks}
-        refs: list[BlockRef] = []
-        new_blocks: list[tuple[BlockRef, EncodedBlock]] = []
-        for block, chain in zip(cache.blocks, chains):
+        slots: list[BlockRef | NewBlock] = []
+        for block, chain in zip(cache.blocks, chains, strict=True):
             kept = reusable.get((chain, block.n_tokens))
             if kept is not None:
-                refs.append(kept)
+                slots.append(kept)
                 continue
             encoded = encode_block(block, self.spec, self.quantization, self.group_size)
-            ref = BlockRef(block_name(chain, generation), chain, block.n_tokens, encoded.nbytes, encoded.crc32)
-            refs.append(ref)
-            new_blocks.append((ref, encoded))
-        manifest = Manifest(
+            slots.append(NewBlock(block_name(chain, generation), chain, block.n_tokens, encoded))
+        draft = Manifest(
             agent_id=agent_id,
             spec=self.spec,
             quantization=self.quantization,
             group_size=self.group_size,
             token_ids=np.asarray(cache.token_ids, dtype=np.int64),
-            blocks=tuple(refs),
+            blocks=(),
             generation=generation,
             created=time.time(),
         )
-        return WritePlan(manifest, new_blocks, len(refs) - len(new_blocks))
+        return WritePlan(draft, slots)
 
     def _count_put(self, plan: WritePlan, manifest_bytes: int) -> None:
         self._stats.add("puts")
         self._stats.add("blocks_written", len(plan.new_blocks))
         self._stats.add("blocks_reused", plan.reused)
-        self._stats.add("bytes_written", manifest_bytes + sum(e.nbytes for _, e in plan.new_blocks))
+        self._stats.add("bytes_written", manifest_bytes + sum(b.encoded.nbytes for b in plan.new_blocks))
 
     # --- budgets -------------------------------------------------------------------------------
     @abstractmethod
-    def _usage(self) -> list[CacheInfo]:
-        """Every stored agent's info (for budget enforcement)."""
+    def _usage(self) -> builtins.list[Usage]:
+        """Everything this store holds, one entry per agent (for budget enforcement)."""
 
-    def delete(self, agent_id: str) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def _remove(self, handle: str) -> bool:
+        """Delete one agent's cache by its usage handle; False if it was already gone."""
+
+    def _after_put(self, handle: str, nbytes: int) -> None:
+        """Evict if the store may be over budget (a full scan at most every few seconds otherwise)."""
+        if self.max_bytes is None:
+            return
+        self._estimated_bytes += nbytes
+        stale = time.monotonic() - self._last_scan > BUDGET_RESCAN_S
+        if stale or self._estimated_bytes > self.max_bytes:
+            self.enforce_budget(keep=handle)
 
     def enforce_budget(self, keep: str | None = None) -> int:
         """Evict least-recently-used agents (never `keep`) until the store fits max_bytes."""
         if self.max_bytes is None:
             return 0
-        infos = sorted(self._usage(), key=lambda info: info.last_used)
-        total = sum(info.nbytes for info in infos)
+        entries = sorted(self._usage(), key=lambda entry: entry.last_used)
+        total = sum(entry.nbytes for entry in entries)
         evicted = 0
-        for info in infos:
+        for entry in entries:
             if total <= self.max_bytes:
                 break
-            if info.agent_id == keep:
+            if entry.handle == keep:
                 continue
-            if self.delete(info.agent_id):
+            if self._remove(entry.handle):
                 evicted += 1
-                total -= info.nbytes
                 self._stats.add("evictions")
-                self._stats.add("evicted_bytes", info.nbytes)
+                self._stats.add("evicted_bytes", entry.nbytes)
                 log.info(
                     "%s: evicted agent %r (%d bytes, last used %.0f s ago) to stay under %d bytes",
                     self.kind,
-                    info.agent_id,
-                    info.nbytes,
-                    time.time() - info.last_used,
+                    entry.agent_id,
+                    entry.nbytes,
+                    time.time() - entry.last_used,
                     self.max_bytes,
                 )
+            total -= entry.nbytes
+        self._estimated_bytes = total
+        self._last_scan = time.monotonic()
         return evicted
 
     def stats(self) -> dict[str, int]:

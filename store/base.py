@@ -85,6 +85,8 @@ BACKEND_COUNTERS = (
     "evictions",
     "evicted_bytes",
     "put_retries",
+    "expired",
+    "discarded",
 )
 
 
@@ -95,7 +97,9 @@ def record_miss(stats: Stats, name: str, agent_id: str, reason: str, detail: str
     if reason in (ABSENT, NO_COMMON_PREFIX):
         log.debug("%s: cache miss for agent %r: %s (%s)", name, agent_id, reason, detail)
     else:
-        log.warning("%s: unusable cache for agent %r treated as a miss: %s (%s)", name, agent_id, reason, detail)
+        log.warning(
+            "%s: unusable cache for agent %r treated as a miss: %s (%s)", name, agent_id, reason, detail
+        )
 
 
 def shared_prefix(cache_tokens: np.ndarray, prompt_tokens: Sequence[int] | None) -> int:

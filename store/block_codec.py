@@ -10,6 +10,7 @@ tensor's dtype and shape before returning zero-copy views.
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,8 @@ from engine.blocks import KVBlock
 from engine.spec import ModelCacheSpec
 from store import quant
 from store.errors import BAD_BLOCK, CHECKSUM, TRUNCATED, BadCacheError
-from store.manifest import FORMAT_NAME, FORMAT_VERSION_NUMBER, BlockRef, Manifest
+from store.iopool import crc32_async
+from store.manifest import FORMAT_NAME, FORMAT_VERSION_NUMBER, BlockRef, Manifest, spec_fingerprint
 from store.stfile import SafetensorsError, encode, parse_header, view
 
 _ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -26,23 +28,32 @@ _ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 @dataclass(frozen=True)
 class EncodedBlock:
-    """One block blob as header + buffers (views of the arrays: nothing concatenated)."""
+    """One block blob as header + buffers (views of the arrays: nothing concatenated).
+
+    Its CRC-32 is computed on the store's helper threads while the blob is written.
+    """
 
     header: bytes
     buffers: list[memoryview]
     nbytes: int
-    crc32: int
+    crc: Future[int]
 
     def parts(self) -> list[bytes | memoryview]:
         return [self.header, *self.buffers]
 
+    @property
+    def crc32(self) -> int:
+        return self.crc.result()
 
-def _block_metadata(spec: ModelCacheSpec, quantization: str, group_size: int, n_tokens: int) -> dict[str, str]:
+
+def _block_metadata(
+    spec: ModelCacheSpec, quantization: str, group_size: int, n_tokens: int
+) -> dict[str, str]:
     return {
         "format": FORMAT_NAME,
         "version": str(FORMAT_VERSION_NUMBER),
         "kind": "block",
-        "fingerprint": spec.fingerprint(),
+        "fingerprint": spec_fingerprint(spec),
         "dtype": spec.dtype,
         "n_tokens": str(n_tokens),
         "quantization": quantization,
@@ -55,39 +66,38 @@ def encode_block(block: KVBlock, spec: ModelCacheSpec, quantization: str, group_
     dtype = _ST_DTYPE[spec.dtype]
     tensors: list[tuple[str, str, np.ndarray]] = []
     if quantization == "none":
-        for layer, (k, v) in enumerate(zip(block.keys, block.values)):
+        for layer, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
             tensors.append((f"L{layer}.k", dtype, np.ascontiguousarray(k)))
             tensors.append((f"L{layer}.v", dtype, np.ascontiguousarray(v)))
     else:
         bits = quant.QUANT_BITS[quantization]
-        parts = {
+        quantized = {
             kind: quant.quantize(np.stack(arrays), spec.dtype, bits, group_size)
             for kind, arrays in (("k", block.keys), ("v", block.values))
         }
         for layer in range(spec.n_layers):
             for kind in ("k", "v"):
-                packed, scales, biases = parts[kind]
+                packed, scales, biases = quantized[kind]
                 tensors.append((f"L{layer}.{kind}.q", "U32", packed[layer]))
                 tensors.append((f"L{layer}.{kind}.scales", dtype, scales[layer]))
                 tensors.append((f"L{layer}.{kind}.biases", dtype, biases[layer]))
     header, buffers = encode(tensors, _block_metadata(spec, quantization, group_size, block.n_tokens))
-    crc = zlib.crc32(header)
-    for buffer in buffers:
-        crc = zlib.crc32(buffer, crc)
-    return EncodedBlock(header, buffers, len(header) + sum(len(b) for b in buffers), crc)
+    blob_parts: list[bytes | memoryview] = [header, *buffers]
+    nbytes = len(header) + sum(len(b) for b in buffers)
+    return EncodedBlock(header, buffers, nbytes, crc32_async(blob_parts))
 
 
 def decode_block(
-    blob: bytes | bytearray | memoryview, ref: BlockRef, manifest: Manifest, *, verified: bool = False
+    blob: bytes | bytearray | memoryview, ref: BlockRef, manifest: Manifest, *, crc: int | None = None
 ) -> KVBlock:
     """The block from its blob, after checking size, CRC-32, header and every tensor's shape.
 
-    Raises BadCacheError (truncated, checksum, bad_block). `verified` skips the CRC when
-    the caller has already checked it (e.g. in a reader thread).
+    Raises BadCacheError (truncated, checksum, bad_block). `crc` is the blob's CRC-32 if
+    the caller already computed it (on a reader thread).
     """
     if len(blob) != ref.nbytes:
         raise BadCacheError(TRUNCATED, f"block {ref.name} has {len(blob)} bytes, manifest says {ref.nbytes}")
-    if not verified and zlib.crc32(blob) != ref.crc32:
+    if (zlib.crc32(blob) if crc is None else crc) != ref.crc32:
         raise BadCacheError(CHECKSUM, f"block {ref.name} fails its CRC-32")
     spec = manifest.spec
     try:

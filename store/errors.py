@@ -14,6 +14,7 @@ CHECKSUM = "checksum"  # a block's bytes do not match the manifest's CRC-32
 BAD_BLOCK = "bad_block"  # a block parses badly or holds other shapes/dtypes than expected
 BACKEND_ERROR = "backend_error"  # the disk or Redis call itself failed
 NO_COMMON_PREFIX = "no_common_prefix"  # the cache shares no token with the prompt asked about
+UNEXPECTED = "unexpected_error"  # a bug or an unforeseen failure: logged with its traceback
 
 MISS_REASONS = (
     ABSENT,
@@ -27,7 +28,12 @@ MISS_REASONS = (
     BAD_BLOCK,
     BACKEND_ERROR,
     NO_COMMON_PREFIX,
+    UNEXPECTED,
 )
+
+
+# Reasons that mean the stored bytes are damaged (not merely foreign): such a cache is deleted.
+DAMAGE = frozenset({BAD_MANIFEST, AGENT_MISMATCH, MISSING_BLOCK, TRUNCATED, CHECKSUM, BAD_BLOCK})
 
 
 class StoreError(Exception):
@@ -41,3 +47,4 @@ class BadCacheError(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.manifest_blob: bytes | bytearray | memoryview | None = None  # what was read, if any

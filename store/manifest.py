@@ -10,6 +10,7 @@ caught before any block is read.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import uuid
@@ -60,13 +61,23 @@ class Manifest:
 
 
 def new_generation() -> str:
+    """A unique id for one put: 128 random bits (a process prefix + a counter would repeat
+    across machines sharing a Redis; a random id does not)."""
     return uuid.uuid4().hex
 
 
-def chain_keys(spec: ModelCacheSpec, quantization: str, group_size: int, token_ids: Sequence[int]) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def spec_fingerprint(spec: ModelCacheSpec) -> str:
+    """spec.fingerprint(), computed once per spec (it serializes the whole spec each call)."""
+    return spec.fingerprint()
+
+
+def chain_keys(
+    spec: ModelCacheSpec, quantization: str, group_size: int, token_ids: Sequence[int]
+) -> list[str]:
     """One reuse key per block: equal keys mean equal tokens from position 0 to the block's end."""
     tokens = np.asarray(token_ids, dtype=np.int64)
-    digest = hashlib.sha256(f"{spec.fingerprint()}|{quantization}|{group_size}|".encode())
+    digest = hashlib.sha256(f"{spec_fingerprint(spec)}|{quantization}|{group_size}|".encode())
     keys = []
     for start in range(0, len(tokens), spec.block_tokens):
         digest.update(tokens[start : start + spec.block_tokens].tobytes())
@@ -87,7 +98,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "agent_id": manifest.agent_id,
         "model_name": manifest.spec.model_name,
         "spec": json.dumps(manifest.spec.to_dict(), sort_keys=True),
-        "fingerprint": manifest.spec.fingerprint(),
+        "fingerprint": spec_fingerprint(manifest.spec),
         "dtype": manifest.spec.dtype,
         "quantization": manifest.quantization,
         "group_size": str(manifest.group_size),
@@ -95,7 +106,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "blocks": json.dumps([[b.name, b.chain, b.n_tokens, b.nbytes, b.crc32] for b in manifest.blocks]),
         "generation": manifest.generation,
         "created": repr(manifest.created),
-        "tokens_crc32": str(zlib.crc32(tokens)),
+        "tokens_crc32": str(zlib.crc32(tokens.data)),
     }
     metadata["checksum"] = str(_metadata_checksum(metadata))
     header, buffers = encode([("token_ids", "I64", tokens)], metadata)
@@ -113,7 +124,8 @@ def read_format(metadata: dict[str, str]) -> None:
         raise BadCacheError(BAD_MANIFEST, f"not a {FORMAT_NAME} blob (format {metadata.get('format')!r})")
     if metadata.get("version") != str(FORMAT_VERSION_NUMBER):
         raise BadCacheError(
-            FORMAT_VERSION, f"format version {metadata.get('version')!r}, this store reads {FORMAT_VERSION_NUMBER}"
+            FORMAT_VERSION,
+            f"format version {metadata.get('version')!r}, this store reads {FORMAT_VERSION_NUMBER}",
         )
 
 
@@ -134,15 +146,15 @@ def decode_manifest(blob: bytes | bytearray | memoryview, agent_id: str, spec: M
     if entry is None or len(entries) != 1 or entry.dtype != "I64" or len(entry.shape) != 1:
         raise BadCacheError(BAD_MANIFEST, "manifest has no int64 token_ids vector")
     tokens = view(blob, entry, data_start)
-    if str(zlib.crc32(tokens)) != metadata.get("tokens_crc32"):
+    if str(zlib.crc32(tokens.data)) != metadata.get("tokens_crc32"):
         raise BadCacheError(BAD_MANIFEST, "token ids fail their checksum")
     if metadata.get("agent_id") != agent_id:
         raise BadCacheError(AGENT_MISMATCH, f"manifest belongs to agent {metadata.get('agent_id')!r}")
-    if metadata.get("fingerprint") != spec.fingerprint():
+    if metadata.get("fingerprint") != spec_fingerprint(spec):
         raise BadCacheError(
             SPEC_MISMATCH,
             f"cache made for {metadata.get('model_name')!r} spec {metadata.get('fingerprint')}, "
-            f"this store serves {spec.model_name!r} spec {spec.fingerprint()}",
+            f"this store serves {spec.model_name!r} spec {spec_fingerprint(spec)}",
         )
     try:
         return _build(metadata, tokens, agent_id, spec)
@@ -159,7 +171,8 @@ def _build(metadata: dict[str, str], tokens: np.ndarray, agent_id: str, spec: Mo
         raise ValueError(f"unknown quantization {quantization!r}")
     raw_blocks: Any = json.loads(metadata["blocks"])
     blocks = tuple(
-        BlockRef(str(name), str(chain), int(n), int(size), int(crc)) for name, chain, n, size, crc in raw_blocks
+        BlockRef(str(name), str(chain), int(n), int(size), int(crc))
+        for name, chain, n, size, crc in raw_blocks
     )
     if not all(_safe_name(b.name) for b in blocks):
         raise ValueError("a block name has unsafe characters")
@@ -183,3 +196,40 @@ def _build(metadata: dict[str, str], tokens: np.ndarray, agent_id: str, spec: Mo
 
 def _safe_name(name: str) -> bool:
     return 0 < len(name) <= 64 and all(c in "0123456789abcdef." for c in name) and not name.startswith(".")
+
+
+@dataclass(frozen=True)
+class ManifestSummary:
+    """What listing and budgets need from a manifest, whatever model or spec made it."""
+
+    agent_id: str
+    n_tokens: int
+    block_bytes: int
+    n_blocks: int
+    quantization: str
+    fingerprint: str
+    block_names: tuple[str, ...]
+
+
+def summarize_manifest(blob: bytes | bytearray | memoryview) -> ManifestSummary:
+    """Summary of an intact manifest of this format; BadCacheError otherwise."""
+    try:
+        metadata, _entries, _start = parse_header(blob)
+    except SafetensorsError as exc:
+        raise BadCacheError(BAD_MANIFEST, str(exc)) from None
+    read_format(metadata)
+    if metadata.get("kind") != "manifest" or metadata.get("checksum") != str(_metadata_checksum(metadata)):
+        raise BadCacheError(BAD_MANIFEST, "manifest metadata fails its checksum")
+    try:
+        raw_blocks: Any = json.loads(metadata["blocks"])
+        return ManifestSummary(
+            agent_id=metadata["agent_id"],
+            n_tokens=int(metadata["n_tokens"]),
+            block_bytes=sum(int(entry[3]) for entry in raw_blocks),
+            n_blocks=len(raw_blocks),
+            quantization=metadata["quantization"],
+            fingerprint=metadata["fingerprint"],
+            block_names=tuple(str(entry[0]) for entry in raw_blocks if _safe_name(str(entry[0]))),
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise BadCacheError(BAD_MANIFEST, f"manifest fields are inconsistent: {exc}") from None

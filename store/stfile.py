@@ -84,7 +84,7 @@ def encode(
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
         if nbytes:
-            buffers.append(memoryview(array).cast("B"))
+            buffers.append(array.data.cast("B"))
     text = json.dumps(header, separators=(",", ":")).encode()
     pad = (-(8 + len(text))) % _ALIGN
     text += b" " * pad

@@ -5,6 +5,8 @@ docs/worker.md has the table; keep the two in step (tests/worker/test_settings.p
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -16,26 +18,53 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVRQ_", extra="ignore")
 
-    redis_url: str = Field(default=DEFAULT_REDIS_URL, description="Redis holding the queues (and the redis store)")
-    queues: str = Field(default=DEFAULT_QUEUE, description="comma-separated queue names, first is served first")
+    redis_url: str = Field(
+        default=DEFAULT_REDIS_URL, description="Redis holding the queues (and the redis store)"
+    )
+    queues: str = Field(
+        default=DEFAULT_QUEUE, description="comma-separated queue names, first is served first"
+    )
     model: str = Field(default="smollm2-135m", description="builtin model name, mlx-lm model id or path")
-    store: str = Field(default="disk:.kvrq/cache", description="agent cache store: disk:PATH, redis or redis://...")
-    pool_mb: float | None = Field(default=None, gt=0, description="KV block pool size in MB (engine default 2048)")
-    pool_blocks: int | None = Field(default=None, gt=0, description="KV block pool size in blocks (wins over MB)")
+    store: str = Field(
+        default="disk:.kvrq/cache", description="agent cache store: disk:PATH, redis or redis://..."
+    )
+    store_quantization: Literal["none", "q8", "q4"] = Field(
+        default="none", description="KV quantization at rest"
+    )
+    store_hot_mb: float = Field(
+        default=512, ge=0, description="recently used caches kept in worker memory (MB)"
+    )
+    store_max_mb: float | None = Field(default=None, gt=0, description="store size bound, LRU eviction (MB)")
+    pool_mb: float | None = Field(
+        default=None, gt=0, description="KV block pool size in MB (engine default 2048)"
+    )
+    pool_blocks: int | None = Field(
+        default=None, gt=0, description="KV block pool size in blocks (wins over MB)"
+    )
     max_batch: int = Field(default=16, gt=0, description="sequences decoded together")
     prefill_step_size: int = Field(default=512, gt=0, description="prompt tokens per prefill chunk")
     name: str | None = Field(default=None, description="rq worker name (default: host.pid)")
     max_held: int | None = Field(
         default=None, gt=0, description="jobs held at once, running or waiting (default 2 x max_batch)"
     )
-    heartbeat_interval: float = Field(default=5.0, gt=0, description="seconds between heartbeats of held jobs")
-    heartbeat_ttl: int = Field(default=90, gt=1, description="seconds without heartbeat before a job is abandoned")
-    maintenance_interval: float = Field(default=60.0, gt=0, description="seconds between abandoned-job cleanups")
+    heartbeat_interval: float = Field(
+        default=5.0, gt=0, description="seconds between heartbeats of held jobs"
+    )
+    heartbeat_ttl: int = Field(
+        default=90, gt=1, description="seconds without heartbeat before a job is abandoned"
+    )
+    maintenance_interval: float = Field(
+        default=60.0, gt=0, description="seconds between abandoned-job cleanups"
+    )
     drain_timeout: float = Field(default=30.0, ge=0, description="SIGTERM: seconds to finish running jobs")
-    result_ttl: int = Field(default=3600, ge=-1, description="seconds results are kept when the job sets none")
+    result_ttl: int = Field(
+        default=3600, ge=-1, description="seconds results are kept when the job sets none"
+    )
     stream_ttl: int = Field(default=3600, gt=0, description="seconds a job's token stream is kept")
     stream_maxlen: int = Field(default=10000, gt=0, description="entries a token stream is trimmed to")
-    progress_interval: float = Field(default=0.5, ge=0, description="seconds between job.meta progress updates")
+    progress_interval: float = Field(
+        default=0.5, ge=0, description="seconds between job.meta progress updates"
+    )
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
 
     @field_validator("queues")

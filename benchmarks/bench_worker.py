@@ -1,0 +1,386 @@
+"""Worker benchmarks: the whole path (producer -> Redis -> kvrq worker -> stream/result) against raw mlx-lm.
+
+    python benchmarks/bench_worker.py            # full run, writes benchmarks/results/worker.json
+    python benchmarks/bench_worker.py --quick    # fewer tokens and repeats (a smoke run)
+
+1. Throughput: 16 chat jobs at once through Redis + one worker, vs the same prompts in one raw
+   mlx-lm BatchGenerator in this process (target ratio >= 0.9), vs mlx_lm.generate one by one.
+2. Queue overhead: enqueue -> first token read by the client, minus the engine's own time to first
+   token, for max_tokens=1 jobs on an idle worker (target p50 < 10 ms).
+3. Warm vs cold agent at ~1K and ~2K tokens of history: the same request for an agent whose cache
+   holds the conversation so far, and for a fresh agent; enqueue -> first token at the client.
+   Run against a worker with its in-memory hot tier, and one reading caches from disk.
+
+Everything runs on this machine, in one run: a private redis-server, worker subprocesses
+(`kvrq worker`, OpenBLAS preloaded like this process), this process idle while they work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.fastpath import ensure_fast_blas, openblas_loaded  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.",
+    "What is 17 times 3?",
+    "Name three primary colors.",
+    "Why is the sky blue?",
+    "Give me a tip for learning to cook.",
+    "What does a compiler do?",
+    "Describe a cat to someone who has never seen one.",
+    "What is the boiling point of water at sea level?",
+    "Suggest a name for a small bakery.",
+    "How do bees make honey?",
+    "What is the tallest mountain on Earth?",
+    "Summarize the plot of Cinderella.",
+    "What are the benefits of walking every day?",
+    "How does a rainbow form?",
+]
+BRIEFING = (
+    "The Lighthouse Project keeps a fleet of eleven research boats along a rocky northern coast. "
+    "Each boat is named after a seabird. The fleet measures water temperature, salinity and plankton "
+    "every morning at dawn and sends its readings to a station on the harbour wall, run by Ada, Bram "
+    "and Chidi. In winter only four boats sail, because storms close the outer channel for weeks. "
+    "The oldest boat was built in 1978. "
+)
+
+
+def chat(question: str, system: str = "You are a helpful assistant.") -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+# ---- in-process baselines -----------------------------------------------------------------
+
+
+def raw_batch_generator(
+    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    from mlx_lm.generate import BatchGenerator, StopSequences
+
+    eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+    generator = BatchGenerator(model, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512)
+    started = time.perf_counter()
+    uids = generator.insert(
+        prompts,
+        max_tokens=[max_tokens] * len(prompts),
+        stop_sequences=[StopSequences([[t] for t in eos]) for _ in prompts],
+    )
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    done: set[int] = set()
+    while len(done) < len(uids):
+        _, responses = generator.next()
+        for response in responses:
+            token = int(response.token)
+            if not (response.finish_reason == "stop" and token in eos):
+                tokens[response.uid].append(token)
+            if response.finish_reason is not None:
+                done.add(response.uid)
+    elapsed = time.perf_counter() - started
+    generator.close()
+    generated = sum(len(t) for t in tokens.values())
+    texts = [tokenizer.decode(tokens[uid]) for uid in uids]
+    return {
+        "seconds": elapsed,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / elapsed,
+        "texts": texts,
+    }
+
+
+def sequential_generate(
+    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    from mlx_lm import stream_generate
+
+    generated = 0
+    started = time.perf_counter()
+    for prompt in prompts:
+        responses = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+        generated += responses[-1].generation_tokens if responses else 0
+    elapsed = time.perf_counter() - started
+    return {"seconds": elapsed, "generated_tokens": generated, "tokens_per_s": generated / elapsed}
+
+
+# ---- through Redis and a worker -----------------------------------------------------------
+
+
+def through_worker(producer: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    started = time.perf_counter()
+    handles = producer.submit_many(requests)
+    results = [h.result(timeout=1800) for h in handles]
+    elapsed = time.perf_counter() - started
+    generated = sum(r.usage.generated_tokens for r in results)
+    return {
+        "seconds": elapsed,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / elapsed,
+        "texts": [r.text for r in results],
+    }
+
+
+def first_token(producer: Any, request: dict[str, Any]) -> tuple[float, Any]:
+    """Seconds from enqueue to the first streamed token at this client, and the job's result."""
+    started = time.perf_counter()
+    handle = producer.submit(request)
+    for event in handle.events(timeout=600):
+        if event.kind == "delta":
+            break
+    elapsed = time.perf_counter() - started
+    return elapsed, handle.result(timeout=600)
+
+
+def queue_overhead(producer: Any, repeats: int) -> dict[str, Any]:
+    request = {"messages": chat("Hi"), "max_tokens": 1}
+    first_token(producer, request)  # warm-up
+    totals, overheads = [], []
+    for _ in range(repeats):
+        total, result = first_token(producer, request)
+        engine = result.timings.engine_time_to_first_token_s or 0.0
+        totals.append(total)
+        overheads.append(total - engine)
+    return {
+        "repeats": repeats,
+        "enqueue_to_first_token_ms": {
+            "p50": 1000 * percentile(totals, 0.5),
+            "p95": 1000 * percentile(totals, 0.95),
+        },
+        "overhead_ms": {"p50": 1000 * percentile(overheads, 0.5), "p95": 1000 * percentile(overheads, 0.95)},
+    }
+
+
+def history_for(tokenizer: Any, target_tokens: int) -> list[dict[str, str]]:
+    """A system briefing long enough that the conversation is about `target_tokens` tokens."""
+    system = "You answer questions about these notes. " + BRIEFING
+    while (
+        len(tokenizer.apply_chat_template(chat("q", system), add_generation_prompt=True)) < target_tokens - 60
+    ):
+        system += BRIEFING
+    return chat("How many boats are in the fleet?", system)
+
+
+def warm_vs_cold(
+    producer: Any, tokenizer: Any, target_tokens: int, repeats: int, settle_s: float = 0.0
+) -> dict[str, Any]:
+    """`settle_s` after turn 1 lets the store's write-behind reach the backend (a store read, not memory)."""
+    warm, cold, loads, prompt_sizes, reused, warm_engine, cold_engine = [], [], [], [], [], [], []
+    for _ in range(repeats):
+        agent = f"bench-{uuid.uuid4().hex[:8]}"
+        turn1 = history_for(tokenizer, target_tokens)
+        first = producer.submit({"agent_id": agent, "messages": turn1, "max_tokens": 16}).result(timeout=600)
+        time.sleep(settle_s)
+        turn2 = [
+            *turn1,
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And in winter?"},
+        ]
+        warm_s, warm_result = first_token(producer, {"agent_id": agent, "messages": turn2, "max_tokens": 1})
+        fresh = f"bench-{uuid.uuid4().hex[:8]}"
+        cold_s, cold_result = first_token(producer, {"agent_id": fresh, "messages": turn2, "max_tokens": 1})
+        assert cold_result.usage.reused_tokens == 0
+        warm.append(warm_s)
+        cold.append(cold_s)
+        loads.append(warm_result.timings.cache_load_s)
+        warm_engine.append(warm_result.timings.engine_time_to_first_token_s or 0.0)
+        cold_engine.append(cold_result.timings.engine_time_to_first_token_s or 0.0)
+        prompt_sizes.append(warm_result.usage.prompt_tokens)
+        reused.append(warm_result.usage.reused_tokens)
+    cold_median, warm_median = statistics.median(cold), statistics.median(warm)
+    return {
+        "prompt_tokens": int(statistics.median(prompt_sizes)),
+        "reused_tokens": int(statistics.median(reused)),
+        "cold_first_token_s": cold_median,
+        "warm_first_token_s": warm_median,
+        "warm_cache_load_s": statistics.median(loads),
+        "warm_engine_first_token_s": statistics.median(warm_engine),
+        "cold_engine_first_token_s": statistics.median(cold_engine),
+        "speedup": cold_median / warm_median,
+        "repeats": repeats,
+    }
+
+
+PARTS = ("throughput", "overhead", "warm")
+
+
+def main() -> int:
+    ensure_fast_blas(sys.argv)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
+    parser.add_argument(
+        "--only",
+        choices=PARTS,
+        action="append",
+        help="run only these parts (repeat); the others keep their figures from the existing JSON",
+    )
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "worker.json"))
+    args = parser.parse_args()
+    parts = set(args.only or PARTS)
+    max_tokens = 24 if args.quick else 64
+    repeats = 10 if args.quick else 40
+    warm_repeats = 1 if args.quick else 3
+    rounds = 1 if args.quick else 3
+
+    from engine.model import load_model
+    from producer.client import Producer
+    from producer.models import GenerationRequest
+    from worker.prompts import prompt_tokens
+    from worker.spawn import redis_server, worker_process
+
+    model, tokenizer = load_model("smollm2-135m")
+    requests = [{"messages": chat(q), "max_tokens": max_tokens} for q in QUESTIONS]
+    prompts = [prompt_tokens(tokenizer, GenerationRequest.model_validate(r)) for r in requests]
+    out = Path(args.out)
+    report: dict[str, Any] = json.loads(out.read_text()) if out.exists() and args.only else {}
+    report["machine"] = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "openblas_preloaded": openblas_loaded(),
+        "load_average_at_start": os.getloadavg(),
+    }
+    report["model"] = "smollm2-135m (float32 on CPU)"
+
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvrq-bench-")))
+        url = stack.enter_context(redis_server(workdir))
+        producer = stack.enter_context(Producer(url))
+        env = dict(os.environ)
+        print("worker (hot tier on) ...", flush=True)
+        with worker_process(url, store=f"disk:{workdir / 'cache'}", env=env):
+            through_worker(producer, requests[:2])  # warm-up
+            if "throughput" in parts:
+                report["throughput"] = throughput(
+                    model, tokenizer, producer, requests, prompts, max_tokens, rounds
+                )
+            if "overhead" in parts:
+                print("queue overhead ...", flush=True)
+                report["queue_overhead"] = queue_overhead(producer, repeats)
+            if "warm" in parts:
+                print("warm vs cold ...", flush=True)
+                hot = {n: warm_vs_cold(producer, tokenizer, n, warm_repeats) for n in (1024, 2048)}
+        if "warm" in parts:
+            print("worker (hot tier off: caches read from disk) ...", flush=True)
+            disk_env = {**env, "KVRQ_STORE_HOT_MB": "0"}
+            with worker_process(url, store=f"disk:{workdir / 'cache-disk'}", env=disk_env):
+                through_worker(producer, requests[:1])  # warm-up
+                disk = {
+                    n: warm_vs_cold(producer, tokenizer, n, warm_repeats, settle_s=2.0) for n in (1024, 2048)
+                }
+            report["warm_vs_cold"] = {"hot_tier": hot, "disk": disk}
+    if "throughput" in parts:
+        print("sequential mlx_lm.generate ...", flush=True)
+        sequential = sequential_generate(model, tokenizer, prompts, max_tokens)
+        t = report["throughput"]
+        t["sequential_generate"] = sequential
+        t["worker_vs_sequential_speedup"] = t["worker"]["tokens_per_s"] / sequential["tokens_per_s"]
+    report["machine"]["load_average_at_end"] = os.getloadavg()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"\nwrote {out}")
+    return 0
+
+
+def throughput(
+    model: Any,
+    tokenizer: Any,
+    producer: Any,
+    requests: list[dict[str, Any]],
+    prompts: list[list[int]],
+    max_tokens: int,
+    rounds: int,
+) -> dict[str, Any]:
+    """The machine is shared: alternate the two paths and keep each one's best run."""
+    raw_batch_generator(model, tokenizer, prompts[:2], 4)  # warm-up
+    raws, workers = [], []
+    for round_ in range(rounds):
+        print(f"throughput round {round_ + 1}/{rounds}: raw BatchGenerator, then worker", flush=True)
+        raws.append(raw_batch_generator(model, tokenizer, prompts, max_tokens))
+        workers.append(through_worker(producer, requests))
+    raw = max(raws, key=lambda r: r["tokens_per_s"])
+    worker = max(workers, key=lambda r: r["tokens_per_s"])
+    same = sum(a == b for a, b in zip(raw["texts"], worker["texts"], strict=True))
+    for run in (*raws, *workers):
+        run.pop("texts", None)
+    return {
+        "jobs": len(requests),
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "all_runs_tokens_per_s": {
+            "raw_batch_generator": [round(r["tokens_per_s"], 1) for r in raws],
+            "worker": [round(r["tokens_per_s"], 1) for r in workers],
+        },
+        "raw_batch_generator": raw,
+        "worker": worker,
+        "worker_vs_raw_ratio": worker["tokens_per_s"] / raw["tokens_per_s"],
+        "identical_texts": f"{same}/{len(requests)}",
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    t = report["throughput"]
+    print(
+        f"\n{t['jobs']} concurrent jobs, {t['max_tokens']} max tokens, {report['machine']['cpus']} CPUs, "
+        f"best of {t['rounds']} alternating rounds"
+    )
+    print("| path | generated tokens | seconds | tokens/s |")
+    print("|---|---|---|---|")
+    for name, key in (
+        ("Redis + kvrq worker", "worker"),
+        ("raw mlx-lm BatchGenerator", "raw_batch_generator"),
+        ("sequential mlx_lm.generate", "sequential_generate"),
+    ):
+        row = t[key]
+        print(f"| {name} | {row['generated_tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.1f} |")
+    print(
+        f"worker / raw = {t['worker_vs_raw_ratio']:.2f}; worker / sequential = "
+        f"{t['worker_vs_sequential_speedup']:.1f}x; identical texts {t['identical_texts']}"
+    )
+    q = report["queue_overhead"]
+    print(
+        f"\nqueue overhead (max_tokens=1, {q['repeats']} jobs; enqueue to first token at the client, "
+        f"minus the engine's submit-to-first-token): p50 {q['overhead_ms']['p50']:.1f} ms, "
+        f"p95 {q['overhead_ms']['p95']:.1f} ms (enqueue to first token p50 "
+        f"{q['enqueue_to_first_token_ms']['p50']:.1f} ms)"
+    )
+    print(
+        "\n| history | store | prompt tokens | reused | cold first token | warm first token | speedup "
+        "| warm: cache load / engine |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for store, rows in report["warm_vs_cold"].items():
+        for n, row in rows.items():
+            print(
+                f"| {n} | {store} | {row['prompt_tokens']} | {row['reused_tokens']} | "
+                f"{row['cold_first_token_s']:.2f} s | {row['warm_first_token_s']:.3f} s | "
+                f"{row['speedup']:.1f}x | "
+                f"{row['warm_cache_load_s']:.3f} s / {row['warm_engine_first_token_s']:.3f} s |"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

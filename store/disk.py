@@ -1,0 +1,393 @@
+"""DiskStore: agent caches as safetensors files in a directory tree (the default backend).
+
+Layout under the root (docs/store-format.md):
+
+    kvrq-store.json                      marks the directory as a kvrq store
+    locks/<key>.lock                     one writer at a time per agent (flock)
+    agents/<key[:2]>/<key>/manifest.safetensors
+    agents/<key[:2]>/<key>/blocks/<chain>.<generation>.safetensors
+
+`<key>` is a hash of the agent id, so no id can name a path. Every file is written
+to a temporary name, fsynced, then renamed; the manifest goes last, so readers see
+the previous complete cache or the new one. Writers of one agent take its lock, so
+two processes putting the same agent serialize (last writer wins) and the
+garbage collection of unreferenced blocks never races a writer. Readers take no lock.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fcntl
+import itertools
+import json
+import os
+import shutil
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+from engine.blocks import AgentCache
+from engine.spec import ModelCacheSpec
+from store.agent_ids import agent_key, validate_agent_id
+from store.backend import Blob, BlockBackend, NewBlock, Usage
+from store.base import CacheInfo
+from store.errors import BadCacheError, StoreError
+from store.iopool import map_parallel, submit
+from store.manifest import BlockRef, Manifest, encode_manifest, summarize_manifest
+
+MARKER = "kvrq-store.json"
+_MARKER_CONTENT = {"format": "kvrq-store", "layout": 1}
+MANIFEST = "manifest.safetensors"
+_SUFFIX = ".safetensors"
+_IOV_MAX = 512  # pieces per writev call (the OS limit is 1024 on Linux)
+
+
+class DiskStore(BlockBackend):
+    kind = "disk"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        spec: ModelCacheSpec,
+        *,
+        quantization: str = "none",
+        group_size: int = 64,
+        max_bytes: int | None = None,
+        ttl_s: float | None = None,
+        fsync: bool = True,
+    ) -> None:
+        super().__init__(spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes)
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self.root = Path(path).expanduser().resolve()
+        self.fsync = fsync
+        self._agents = self.root / "agents"
+        self._locks = self.root / "locks"
+        self._open_root()
+
+    def _open_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        marker = self.root / MARKER
+        if marker.exists():
+            try:
+                content = json.loads(marker.read_text())
+            except (OSError, ValueError) as exc:
+                raise StoreError(f"{marker} is unreadable: {exc}") from None
+            if content != _MARKER_CONTENT:
+                raise StoreError(f"{self.root} holds a store of another layout: {content}")
+        else:
+            if any(not _ours(p.name) for p in self.root.iterdir()):
+                raise StoreError(f"{self.root} is not empty and not a kvrq store: refusing to use it")
+            _write_atomic(marker, [json.dumps(_MARKER_CONTENT).encode()], fsync=self.fsync)
+        self._agents.mkdir(exist_ok=True)
+        self._locks.mkdir(exist_ok=True)
+
+    # --- paths ---------------------------------------------------------------------------------
+    def _dir(self, key: str) -> Path:
+        return self._agents / key[:2] / key
+
+    def _agent_dir(self, agent_id: str) -> Path:
+        return self._dir(agent_key(agent_id))
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        fd = os.open(self._locks / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    # --- raw reads -----------------------------------------------------------------------------
+    def _read_manifest(self, agent_id: str) -> Blob | None:
+        key = agent_key(agent_id)
+        path = self._dir(key) / MANIFEST
+        try:
+            if self._expired(path.stat().st_mtime):
+                self._expire(key)
+                return None
+            return _read_file(path)
+        except FileNotFoundError:
+            return None
+
+    def _expired(self, last_used: float) -> bool:
+        return self.ttl_s is not None and time.time() - last_used > self.ttl_s
+
+    def _expire(self, key: str) -> None:
+        """Remove an agent unused for longer than ttl_s (re-checked under its lock)."""
+        with self._locked(key):
+            try:
+                if not self._expired((self._dir(key) / MANIFEST).stat().st_mtime):
+                    return
+            except FileNotFoundError:
+                return
+            self._remove_locked(key)
+        self._stats.add("expired")
+
+    def _read_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[Blob | None]:
+        return [None if f is None else f[0] for f in self._fetch_blocks(agent_id, refs)]
+
+    def _fetch_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[tuple[Blob, int] | None]:
+        """Read and checksum blocks on the helper threads: one block's CRC overlaps the next read."""
+        blocks = self._agent_dir(agent_id) / "blocks"
+
+        def fetch(ref: BlockRef) -> tuple[Blob, int] | None:
+            try:
+                blob = _read_file(blocks / f"{ref.name}{_SUFFIX}")
+            except FileNotFoundError:
+                return None
+            return blob, zlib.crc32(blob)
+
+        return map_parallel(fetch, refs)
+
+    def _touch(self, agent_id: str, manifest: Manifest) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self._agent_dir(agent_id) / MANIFEST)
+
+    # --- writes --------------------------------------------------------------------------------
+    def put(self, agent_id: str, cache: AgentCache) -> None:
+        key = agent_key(agent_id)
+        cache.validate(self.spec)  # before touching the disk: a foreign cache leaves no trace
+        directory = self._dir(key)
+        blocks_dir = directory / "blocks"
+        with self._locked(key):
+            blocks_dir.mkdir(parents=True, exist_ok=True)
+            previous = self._previous(agent_id, blocks_dir)
+            plan = self.plan_write(agent_id, cache, previous)
+            self._write_blocks(blocks_dir, plan.new_blocks)
+            manifest = plan.manifest()
+            manifest_blob = encode_manifest(manifest)
+            _write_atomic(directory / MANIFEST, [manifest_blob], fsync=self.fsync)
+            self._collect_garbage(directory, blocks_dir, manifest)
+        self._count_put(plan, len(manifest_blob))
+        self._after_put(key, manifest.block_bytes + len(manifest_blob))
+
+    def _previous(self, agent_id: str, blocks_dir: Path) -> Manifest | None:
+        """The current manifest, if intact and all its blocks are present (so they may be reused)."""
+        previous = self.read_manifest(agent_id)
+        if previous is None:
+            return None
+        for ref in previous.blocks:
+            path = blocks_dir / f"{ref.name}{_SUFFIX}"
+            try:
+                if path.stat().st_size != ref.nbytes:
+                    return None
+            except FileNotFoundError:
+                return None
+        return previous
+
+    def _write_blocks(self, blocks_dir: Path, blocks: list[NewBlock]) -> None:
+        """Write every new block to a temp file, sync them, then rename them into place.
+
+        Each block's fdatasync starts on a helper thread as soon as it is written, so the
+        disk flushes one block while the next is being written.
+        """
+        pending: list[tuple[int, Path, Path]] = []
+        syncs: list[Future[None]] = []
+        try:
+            for block in blocks:
+                tmp = blocks_dir / _temp_name()
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                pending.append((fd, tmp, blocks_dir / f"{block.name}{_SUFFIX}"))
+                _write_all(fd, block.encoded.parts())
+                if self.fsync:
+                    syncs.append(submit(os.fdatasync, fd))
+            for sync in syncs:
+                sync.result()
+            for fd, tmp, final in pending:
+                os.close(fd)
+                os.replace(tmp, final)
+            pending = []
+            if self.fsync and blocks:
+                _fsync_dir(blocks_dir)
+        finally:
+            for sync in syncs:
+                with contextlib.suppress(OSError):
+                    sync.result()  # never close a descriptor a helper thread still uses
+            for fd, tmp, _final in pending:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    def _collect_garbage(self, directory: Path, blocks_dir: Path, manifest: Manifest) -> None:
+        """Remove block files and crashed writers' temp files the manifest does not reference.
+
+        Runs under the agent's lock, so no other writer has files in flight here.
+        """
+        keep = {f"{ref.name}{_SUFFIX}" for ref in manifest.blocks}
+        garbage = [e.path for e in os.scandir(blocks_dir) if e.name not in keep]
+        garbage += [e.path for e in os.scandir(directory) if e.name.startswith(".tmp-")]
+        for path in garbage:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    # --- delete, list, info, budgets -----------------------------------------------------------
+    def delete(self, agent_id: str) -> bool:
+        existed = self._remove(agent_key(agent_id))
+        if existed:
+            self._stats.add("deletes")
+        return existed
+
+    def _remove(self, handle: str) -> bool:
+        with self._locked(handle):
+            return self._remove_locked(handle)
+
+    def _remove_if_manifest_is(self, agent_id: str, manifest_blob: bytes) -> bool:
+        key = agent_key(agent_id)
+        with self._locked(key):
+            try:
+                current = _read_file(self._dir(key) / MANIFEST)
+            except FileNotFoundError:
+                return False
+            return current == manifest_blob and self._remove_locked(key)
+
+    def _remove_locked(self, key: str) -> bool:
+        directory = self._dir(key)
+        try:
+            os.unlink(directory / MANIFEST)  # first: from here on every reader misses
+            existed = True
+        except FileNotFoundError:
+            existed = False
+        shutil.rmtree(directory, ignore_errors=True)
+        return existed
+
+    def _manifests(self) -> Iterator[tuple[str, Path]]:
+        for shard in _scandir(self._agents):
+            for agent in _scandir(Path(shard.path)):
+                yield agent.name, Path(agent.path) / MANIFEST
+
+    def list(self) -> list[str]:
+        ids = []
+        for _key, path in self._manifests():
+            try:
+                ids.append(summarize_manifest(_read_file(path)).agent_id)
+            except (FileNotFoundError, BadCacheError):
+                continue
+        return sorted(ids)
+
+    def info(self, agent_id: str) -> CacheInfo | None:
+        validate_agent_id(agent_id)
+        path = self._agent_dir(agent_id) / MANIFEST
+        try:
+            blob = _read_file(path)
+            last_used = path.stat().st_mtime
+            summary = summarize_manifest(blob)
+        except (FileNotFoundError, BadCacheError):
+            return None
+        if summary.agent_id != agent_id or self._expired(last_used):
+            return None
+        return CacheInfo(
+            agent_id=agent_id,
+            n_tokens=summary.n_tokens,
+            nbytes=summary.block_bytes + len(blob),
+            last_used=last_used,
+            quantization=summary.quantization,
+            n_blocks=summary.n_blocks,
+        )
+
+    def _usage(self) -> builtins.list[Usage]:
+        usage = []
+        for key, path in self._manifests():
+            try:
+                blob = _read_file(path)
+                last_used = path.stat().st_mtime
+            except FileNotFoundError:
+                continue  # being written for the first time, or deleted meanwhile
+            if self._expired(last_used):
+                self._expire(key)
+                continue
+            try:
+                summary = summarize_manifest(blob)
+                usage.append(Usage(key, summary.agent_id, summary.block_bytes + len(blob), last_used))
+            except BadCacheError:
+                # A damaged cache still takes space: count what its directory holds.
+                usage.append(Usage(key, None, _tree_bytes(path.parent), last_used))
+        return usage
+
+    def close(self) -> None:
+        """Nothing is buffered: every put is durable when it returns."""
+
+
+def _ours(name: str) -> bool:
+    """Names a store (or another process creating it right now) puts in its root."""
+    return name in ("agents", "locks", MARKER) or name.startswith(".tmp-")
+
+
+def _scandir(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        return [entry for entry in os.scandir(path) if entry.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+def _read_file(path: Path) -> bytes:
+    """The whole file as one bytes object (numpy views of it are zero-copy, read-only, aligned).
+
+    bytes, not a bytearray: a bytearray is zero-filled first, an extra pass over memory.
+    """
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        batch = views[:_IOV_MAX]
+        written = os.writev(fd, batch)
+        # Drop what was written; a short write leaves the rest of a piece for the next call.
+        while batch and written >= len(batch[0]):
+            written -= len(batch[0])
+            batch.pop(0)
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+
+
+_temp_counter = itertools.count()
+
+
+def _temp_name() -> str:
+    """Unique among live writers: an agent's files are only written under its lock, and the
+    process and thread ids tell apart the writers of the store root's own files."""
+    return f".tmp-{os.getpid()}-{threading.get_ident()}-{next(_temp_counter)}"
+
+
+def _write_atomic(path: Path, parts: Sequence[bytes | memoryview], *, fsync: bool) -> None:
+    tmp = path.with_name(_temp_name())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, parts)
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

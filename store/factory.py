@@ -1,0 +1,78 @@
+"""open_store: the one call a worker makes to get its CacheStore from a URI and options."""
+
+from __future__ import annotations
+
+from engine.spec import ModelCacheSpec
+from store.backend import BlockBackend
+from store.disk import DiskStore
+from store.hot import HotTierStore
+from store.quant import Quantization
+from store.redis_store import DEFAULT_PREFIX, RedisStore
+
+MiB = 1024 * 1024
+DEFAULT_HOT_TIER_BYTES = 512 * MiB
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def open_backend(
+    uri: str,
+    spec: ModelCacheSpec,
+    *,
+    max_bytes: int | None = None,
+    quantization: Quantization = "none",
+    group_size: int = 64,
+    ttl_s: int | None = None,
+    prefix: str = DEFAULT_PREFIX,
+) -> BlockBackend:
+    """The backend named by `uri`, without a hot tier: `disk:PATH`, `redis`, `redis://...`."""
+    if uri.startswith("disk:"):
+        path = uri.removeprefix("disk:")
+        if not path:
+            raise ValueError("disk store URI needs a path: disk:PATH")
+        return DiskStore(
+            path, spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes, ttl_s=ttl_s
+        )
+    if uri == "redis":
+        uri = DEFAULT_REDIS_URL
+    if uri.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(
+            uri,
+            spec,
+            quantization=quantization,
+            group_size=group_size,
+            max_bytes=max_bytes,
+            ttl_s=ttl_s,
+            prefix=prefix,
+        )
+    raise ValueError(f"unknown store URI {uri!r}: use disk:PATH, redis or redis://HOST:PORT/DB")
+
+
+def open_store(
+    uri: str,
+    spec: ModelCacheSpec,
+    *,
+    hot_tier_bytes: int = DEFAULT_HOT_TIER_BYTES,
+    max_bytes: int | None = None,
+    quantization: Quantization = "none",
+    group_size: int = 64,
+    ttl_s: int | None = None,
+    prefix: str = DEFAULT_PREFIX,
+    write_behind: bool = True,
+) -> HotTierStore:
+    """The store for `uri` behind a hot tier of `hot_tier_bytes` (0 keeps nothing in memory).
+
+    `max_bytes` bounds the backend (least recently used agents are evicted first);
+    `quantization` ("none", "q8", "q4", MLX affine with `group_size`) applies at rest;
+    `ttl_s` expires an agent's cache that long after its last use; `prefix` namespaces
+    Redis keys. Call `close()` on shutdown: it flushes the writes still pending.
+    """
+    backend = open_backend(
+        uri,
+        spec,
+        max_bytes=max_bytes,
+        quantization=quantization,
+        group_size=group_size,
+        ttl_s=ttl_s,
+        prefix=prefix,
+    )
+    return HotTierStore(backend, hot_tier_bytes, write_behind=write_behind)

@@ -1,0 +1,167 @@
+"""Producer and JobHandle against fakeredis: enqueue format, idempotent ids, results, streams, cancel."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from producer.client import (
+    JobCanceledError,
+    JobFailedError,
+    JobNotFoundError,
+    Producer,
+    ResultTimeoutError,
+    failure_reason,
+)
+from producer.models import GenerationRequest
+from producer.protocol import JOB_FUNCTION, StreamEvent, stream_key
+from tests.producer.fakes import fake_redis
+
+
+@pytest.fixture
+def producer() -> Producer:
+    return Producer(connection=fake_redis())
+
+
+def _json_job(producer: Producer, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=producer.connection, serializer=JSONSerializer)
+
+
+def test_submit_enqueues_a_json_rq_job(producer: Producer) -> None:
+    handle = producer.submit(
+        {"agent_id": "a1", "prompt": "hi", "max_tokens": 4, "retries": 2, "job_timeout": 30, "result_ttl": 60}
+    )
+    job = _json_job(producer, handle.id)
+    assert job.func_name == JOB_FUNCTION
+    payload = {"agent_id": "a1", "prompt": "hi", "max_tokens": 4, "temperature": 0.0, "top_p": 1.0}
+    assert list(job.args) == [{**payload, "stop": [], "metadata": {}}]
+    assert job.kwargs == {}
+    assert (job.timeout, job.result_ttl, job.retries_left) == (30, 60, 2)
+    assert job.meta == {"agent_id": "a1"}
+    assert handle.status() == "queued"
+    raw = producer.connection.hget(job.key, "data")
+    assert b"pickle" not in raw and raw is not None  # JSON payload, zlib-compressed by rq
+
+
+def test_invalid_requests_are_rejected_before_anything_is_enqueued(producer: Producer) -> None:
+    with pytest.raises(ValidationError):
+        producer.submit_many([{"prompt": "ok"}, {"prompt": "bad", "top_p": 2}])
+    assert producer.queue().count == 0
+
+
+def test_queue_options_pick_the_queue_and_the_front(producer: Producer) -> None:
+    first = producer.submit({"prompt": "a"})
+    urgent = producer.submit(GenerationRequest(prompt="b", at_front=True))
+    other = producer.submit({"prompt": "c", "queue": "other"})
+    assert producer.queue().get_job_ids() == [urgent.id, first.id]
+    assert Queue("other", connection=producer.connection).get_job_ids() == [other.id]
+
+
+def test_job_ids_make_resubmission_idempotent(producer: Producer) -> None:
+    first = producer.submit({"prompt": "a"}, job_id="batch-1-line-7")
+    again = producer.submit({"prompt": "a"}, job_id="batch-1-line-7")
+    assert first.id == again.id == "batch-1-line-7"
+    handles = producer.submit_many(
+        [{"prompt": "a"}, {"prompt": "b"}], job_ids=["batch-1-line-7", "batch-1-line-8"]
+    )
+    assert [h.id for h in handles] == ["batch-1-line-7", "batch-1-line-8"]
+    assert producer.queue().get_job_ids() == ["batch-1-line-7", "batch-1-line-8"]
+
+
+def test_result_waits_for_the_worker_and_times_out(producer: Producer) -> None:
+    handle = producer.submit({"prompt": "a"})
+    with pytest.raises(ResultTimeoutError):
+        handle.result(timeout=0.2)
+    assert handle.status() == "queued"
+
+
+def _finish_like_a_worker(producer: Producer, job_id: str, result: dict) -> None:  # type: ignore[type-arg]
+    from worker.rqexec import KvrqWorker, finish_job, start_job
+
+    worker = KvrqWorker(["kvrq"], connection=producer.connection)
+    job, queue = Queue.dequeue_any(
+        [producer.queue()], None, connection=producer.connection, serializer=JSONSerializer
+    ) or (None, None)
+    assert job is not None and job.id == job_id and queue is not None
+    execution = start_job(worker, job, queue)
+    finish_job(worker, job, queue, execution, result)
+
+
+def test_result_returns_the_workers_result(producer: Producer) -> None:
+    handle = producer.submit({"prompt": "a", "metadata": {"k": "v"}})
+    payload = {
+        "job_id": handle.id,
+        "agent_id": None,
+        "text": "Paris.",
+        "token_ids": [1, 2],
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 1, "reused_tokens": 0, "prefilled_tokens": 1, "generated_tokens": 2},
+        "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.1, "total_s": 0.2},
+        "metadata": {"k": "v"},
+    }
+    finisher = threading.Timer(0.3, _finish_like_a_worker, args=(producer, handle.id, payload))
+    finisher.start()
+    started = time.monotonic()
+    result = handle.result(timeout=5)
+    assert result.text == "Paris." and result.metadata == {"k": "v"}
+    assert time.monotonic() - started < 2
+    finisher.join()
+
+
+def test_canceling_a_queued_job(producer: Producer) -> None:
+    handle = producer.submit({"prompt": "a"})
+    assert handle.cancel() is True
+    assert handle.status() == "canceled"
+    assert producer.queue().count == 0
+    with pytest.raises(JobCanceledError):
+        handle.result(timeout=1)
+    assert list(handle.stream(timeout=2)) == []  # a canceled job's stream ends quietly
+    assert handle.cancel() is False
+
+
+def test_missing_jobs(producer: Producer) -> None:
+    with pytest.raises(JobNotFoundError):
+        producer.handle("nope").status()
+
+
+def test_stream_skips_text_already_yielded_when_a_job_runs_again(producer: Producer) -> None:
+    handle = producer.submit({"prompt": "a"})
+    key = stream_key(handle.id)
+    events = [
+        StreamEvent("start", attempt="1"),
+        StreamEvent("delta", text="Hel", token=1),
+        StreamEvent("delta", text="lo", token=2),
+        StreamEvent("start", attempt="2"),  # the worker died; another one runs the job again
+        StreamEvent("delta", text="He", token=1),
+        StreamEvent("delta", text="llo", token=2),
+        StreamEvent("delta", text=" world", token=3),
+        StreamEvent("end", finish_reason="stop"),
+    ]
+    for event in events:
+        producer.connection.xadd(key, event.to_fields())  # type: ignore[arg-type]
+    assert list(handle.stream(timeout=2)) == ["Hel", "lo", " world"]
+
+
+def test_stream_raises_the_workers_reason(producer: Producer) -> None:
+    handle = producer.submit({"prompt": "a"})
+    producer.connection.xadd(stream_key(handle.id), StreamEvent("delta", text="x", token=1).to_fields())  # type: ignore[arg-type]
+    producer.connection.xadd(
+        stream_key(handle.id), StreamEvent("error", error="RuntimeError: boom").to_fields()
+    )  # type: ignore[arg-type]
+    stream = handle.stream(timeout=2)
+    assert next(stream) == "x"
+    with pytest.raises(JobFailedError, match="boom"):
+        next(stream)
+
+
+def test_failure_reason_is_the_last_line() -> None:
+    assert (
+        failure_reason("Traceback (most recent call last):\n  File x\nValueError: bad\n") == "ValueError: bad"
+    )
+    assert failure_reason(None) == "no reason recorded"

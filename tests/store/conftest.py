@@ -1,0 +1,106 @@
+"""Synthetic caches for the store tests: a small spec and KV that depends only on the tokens.
+
+The KV of a position is a function of (position, token id) only, like a real model's
+for a fixed prefix, so two caches that share a token prefix share those blocks byte
+for byte, and a cache of other tokens differs everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import fakeredis
+import numpy as np
+import pytest
+
+from engine.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
+from engine.spec import LayerSpec, ModelCacheSpec
+from store.disk import DiskStore
+from store.redis_store import RedisStore
+
+BLOCK_TOKENS = 16
+
+
+def tiny_spec(
+    dtype: str = "float32", *, name: str = "tiny", layers: int = 3, block_tokens: int = BLOCK_TOKENS
+) -> ModelCacheSpec:
+    return ModelCacheSpec(
+        model_name=name,
+        n_layers=layers,
+        layers=tuple(LayerSpec("full") for _ in range(layers)),
+        n_kv_heads=2,
+        k_head_dim=64,
+        v_head_dim=64,
+        dtype=dtype,
+        block_tokens=block_tokens,
+    )
+
+
+def _kv(spec: ModelCacheSpec, layer: int, kind: int, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """(heads, n, dim) values in [-1, 1) determined by (layer, K/V, position, token)."""
+    heads, dim = spec.n_kv_heads, spec.k_head_dim
+    phase = (positions * 0.37 + tokens * 0.011 + layer * 1.3 + kind * 2.1)[None, :, None]
+    grid = np.arange(heads)[:, None, None] * 0.7 + np.arange(dim)[None, None, :] * 0.05
+    values = np.sin(phase + grid).astype(np.float32)
+    if spec.dtype == "bfloat16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16)
+    return values.astype(NUMPY_STORAGE_DTYPE[spec.dtype])
+
+
+def make_cache(spec: ModelCacheSpec, token_ids: list[int]) -> AgentCache:
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    blocks = []
+    for start in range(0, len(tokens), spec.block_tokens):
+        end = min(start + spec.block_tokens, len(tokens))
+        positions = np.arange(start, end)
+        chunk = tokens[start:end]
+        blocks.append(
+            KVBlock(
+                keys=tuple(_kv(spec, layer, 0, positions, chunk) for layer in range(spec.n_layers)),
+                values=tuple(_kv(spec, layer, 1, positions, chunk) for layer in range(spec.n_layers)),
+            )
+        )
+    return AgentCache(spec, list(token_ids), blocks)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 50_000, size=n)]
+
+
+def assert_same_cache(got: AgentCache | None, expected: AgentCache) -> None:
+    assert got is not None, "expected a hit"
+    assert got.token_ids == expected.token_ids
+    assert len(got.blocks) == len(expected.blocks)
+    for a, b in zip(got.blocks, expected.blocks, strict=True):
+        for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert np.array_equal(x, y)
+
+
+@pytest.fixture
+def spec() -> ModelCacheSpec:
+    return tiny_spec()
+
+
+@pytest.fixture(params=["disk", "fakeredis"])
+def backend_factory(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[..., DiskStore | RedisStore]]:
+    """Builds backends of one kind over shared storage (one directory, one fake server)."""
+    server = fakeredis.FakeServer()
+    made: list[DiskStore | RedisStore] = []
+
+    def factory(spec: ModelCacheSpec, **options: object) -> DiskStore | RedisStore:
+        store: DiskStore | RedisStore
+        if request.param == "disk":
+            store = DiskStore(tmp_path / "store", spec, **options)  # type: ignore[arg-type]
+        else:
+            store = RedisStore(fakeredis.FakeRedis(server=server), spec, **options)  # type: ignore[arg-type]
+        made.append(store)
+        return store
+
+    factory.kind = request.param  # type: ignore[attr-defined]
+    yield factory
+    for store in made:
+        store.close()

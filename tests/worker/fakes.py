@@ -1,0 +1,167 @@
+"""A small in-process engine with the BlockPoolBatchEngine API, for fast tests of the worker loop.
+
+One token per running sequence per step; prompts containing magic words misbehave:
+BOOM (submit raises), STEPFAIL (the next step raises).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.blocks import AgentCache, BlockPool, common_prefix_length
+from engine.errors import InvalidRequestError
+from engine.results import Completion, StepOutput, TokenDelta, Usage
+from engine.spec import LayerSpec, ModelCacheSpec
+
+SPEC = ModelCacheSpec(
+    model_name="fake",
+    n_layers=1,
+    layers=(LayerSpec("full"),),
+    n_kv_heads=1,
+    k_head_dim=1,
+    v_head_dim=1,
+    dtype="float32",
+    block_tokens=4,
+)
+EOS = 0
+
+
+class FakeTokenizer:
+    eos_token_ids = {EOS}
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i) for i in ids if i != EOS)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool
+    ) -> Any:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<assistant>"
+        return self.encode(text) if tokenize else text
+
+
+@dataclass
+class _Seq:
+    uid: int
+    agent_id: str | None
+    prompt: list[int]
+    reused: int
+    max_tokens: int
+    generated: list[int] = field(default_factory=list)
+
+
+class FakeEngine:
+    def __init__(self, pool_blocks: int = 64, max_batch: int = 4) -> None:
+        self.spec = SPEC
+        self.pool = BlockPool(pool_blocks)
+        self.tokenizer = FakeTokenizer()
+        self.max_batch = max_batch
+        self.max_context = 4096
+        self._seqs: dict[int, _Seq] = {}
+        self._next_uid = 0
+        self.submitted: list[tuple[str | None, list[int], int]] = []  # agent, prompt, reused
+        self.fail_next_step = False
+        self.max_active = 0
+
+    def free_slots(self) -> int:
+        return self.max_batch - len(self._seqs)
+
+    def can_admit(self, n_prompt_tokens: int, max_tokens: int) -> bool:
+        return self.free_slots() > 0 and self.pool.can_allocate(
+            self.spec.blocks_for(n_prompt_tokens + max_tokens)
+        )
+
+    def active(self) -> int:
+        return len(self._seqs)
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    def submit(
+        self,
+        agent_id: str | None,
+        prompt_tokens: Sequence[int],
+        *,
+        cache: AgentCache | None = None,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_tokens: Sequence[int] = (),
+    ) -> int:
+        prompt = list(prompt_tokens)
+        text = self.tokenizer.decode(prompt)
+        if "BOOM" in text:
+            raise RuntimeError("kaboom in submit")
+        if len(prompt) + max_tokens > self.max_context:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context"
+            )
+        uid = self._next_uid
+        self.pool.allocate(uid, self.spec.blocks_for(len(prompt) + max_tokens))
+        self._next_uid += 1
+        reused = 0 if cache is None else min(common_prefix_length(cache.token_ids, prompt), len(prompt) - 1)
+        if "STEPFAIL" in text:
+            self.fail_next_step = True
+        self._seqs[uid] = _Seq(uid, agent_id, prompt, reused, max_tokens)
+        self.submitted.append((agent_id, prompt, reused))
+        self.max_active = max(self.max_active, len(self._seqs))
+        return uid
+
+    def step(self) -> StepOutput:
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("step exploded")
+        out = StepOutput()
+        for seq in list(self._seqs.values()):
+            token = ord("a") + len(seq.generated) % 26
+            seq.generated.append(token)
+            out.deltas.append(TokenDelta(seq.uid, token, chr(token)))
+            if len(seq.generated) >= seq.max_tokens:
+                out.completions.append(self._finish(seq, "length"))
+        return out
+
+    def cancel(self, uid: int) -> Completion | None:
+        seq = self._seqs.get(uid)
+        return None if seq is None else self._finish(seq, "cancelled")
+
+    def _finish(self, seq: _Seq, reason: str) -> Completion:
+        del self._seqs[seq.uid]
+        self.pool.free(seq.uid)
+        tokens = seq.prompt + seq.generated
+        cache = None if reason == "cancelled" else AgentCache(SPEC, tokens, [])
+        return Completion(
+            uid=seq.uid,
+            agent_id=seq.agent_id,
+            text=self.tokenizer.decode(seq.generated),
+            token_ids=list(seq.generated),
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=Usage(len(seq.prompt), seq.reused, len(seq.prompt) - seq.reused, len(seq.generated)),
+            cache=cache,
+            time_to_first_token_s=0.001,
+            total_time_s=0.002,
+        )
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.caches: dict[str, AgentCache] = {}
+        self.puts: list[str] = []
+        self.closed = False
+
+    def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
+        return self.caches.get(agent_id)
+
+    def put(self, agent_id: str, cache: AgentCache) -> None:
+        self.caches[agent_id] = cache
+        self.puts.append(agent_id)
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,294 @@
+"""The worker loop against fakeredis and a fake engine: rq bookkeeping, streams, ordering, faults."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import fakeredis
+import pytest
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from producer.client import JobCanceledError, JobFailedError, Producer
+from producer.protocol import JOB_FUNCTION
+from tests.producer.fakes import fake_redis
+from tests.worker.fakes import DictStore, FakeEngine
+from worker.loop import WorkerLoop
+from worker.maintenance import clean_queues
+from worker.rqexec import KvrqWorker
+from worker.settings import WorkerSettings
+
+
+class Harness:
+    def __init__(self, pool_blocks: int = 4096, max_batch: int = 4, **settings: object) -> None:
+        self.server = fakeredis.FakeServer()
+        self.redis = fake_redis(self.server)
+        self.engine = FakeEngine(pool_blocks=pool_blocks, max_batch=max_batch)
+        self.store = DictStore()
+        self.settings = WorkerSettings(
+            heartbeat_interval=0.05,
+            maintenance_interval=3600,
+            max_batch=max_batch,
+            **settings,  # type: ignore[arg-type]
+        )
+        self.loop = self.new_loop()
+        self.producer = Producer(connection=fake_redis(self.server))
+
+    def new_loop(self) -> WorkerLoop:
+        worker = KvrqWorker(
+            ["kvrq"], connection=fake_redis(self.server), heartbeat_ttl=self.settings.heartbeat_ttl
+        )
+        worker.register_birth()
+        return WorkerLoop(
+            engine=self.engine,
+            store=self.store,
+            rq_worker=worker,
+            settings=self.settings,
+            model_name="fake",
+            idle_wait_s=0,
+        )
+
+    def run_until(self, done: Callable[[], bool], max_iterations: int = 500) -> None:
+        for _ in range(max_iterations):
+            if done():
+                return
+            self.loop.run_once()
+        raise AssertionError("condition not reached")
+
+    def statuses(self, handles: list) -> list[str]:  # type: ignore[type-arg]
+        return [h.status() for h in handles]
+
+    def all_ended(self, handles: list) -> Callable[[], bool]:  # type: ignore[type-arg]
+        return lambda: all(s in ("finished", "failed", "canceled") for s in self.statuses(handles))
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness()
+    yield harness
+
+
+def test_jobs_run_and_return_results(h: Harness) -> None:
+    handles = [
+        h.producer.submit({"prompt": f"p{i}", "max_tokens": 3 + i, "metadata": {"i": i}}) for i in range(3)
+    ]
+    h.run_until(h.all_ended(handles))
+    for i, handle in enumerate(handles):
+        result = handle.result(timeout=1)
+        assert result.text == "abcdef"[: 3 + i]
+        assert result.finish_reason == "length"
+        assert result.metadata == {"i": i}
+        assert result.usage.prompt_tokens == 2
+        assert result.usage.generated_tokens == 3 + i
+        assert result.timings.total_s >= result.timings.queued_s >= 0
+        assert result.worker == h.loop.worker.name
+        job = handle.job()
+        assert job.get_status() == JobStatus.FINISHED
+        assert job.get_meta()["progress"]["phase"] == "finished"
+    assert h.engine.max_active == 3  # all three ran in one batch
+    queue = Queue("kvrq", connection=h.redis, serializer=JSONSerializer)
+    assert queue.finished_job_registry.get_job_count() == 3
+    assert queue.started_job_registry.get_job_count() == 0
+
+
+def test_stream_has_every_delta_in_order_then_end(h: Harness) -> None:
+    handle = h.producer.submit({"prompt": "x", "max_tokens": 5})
+    h.run_until(h.all_ended([handle]))
+    events = list(handle.events(timeout=1))
+    assert [e.kind for e in events] == ["start", "delta", "delta", "delta", "delta", "delta", "end"]
+    assert "".join(e.text for e in events) == "abcde" == "".join(handle.stream(timeout=1))
+    assert events[-1].finish_reason == "length"
+    assert h.redis.ttl(f"kvrq:stream:{handle.id}") > 0
+
+
+def test_plain_rq_enqueue_gets_the_same_treatment(h: Harness) -> None:
+    queue = Queue("kvrq", connection=h.redis, serializer=JSONSerializer)
+    positional = queue.enqueue(JOB_FUNCTION, {"prompt": "hi", "max_tokens": 2})
+    keyword = queue.enqueue(JOB_FUNCTION, request={"prompt": "hi", "max_tokens": 2})
+    fields = queue.enqueue(JOB_FUNCTION, prompt="hi", max_tokens=2)
+    handles = [h.producer.handle(j.id) for j in (positional, keyword, fields)]
+    h.run_until(h.all_ended(handles))
+    assert [Job.fetch(j.id, h.redis, serializer=JSONSerializer).return_value()["text"] for j in handles] == [
+        "ab"
+    ] * 3
+
+
+def test_bad_jobs_fail_alone_with_a_clear_reason(h: Harness) -> None:
+    good = h.producer.submit({"prompt": "fine", "max_tokens": 2})
+    json_queue = Queue("kvrq", connection=h.redis, serializer=JSONSerializer)
+    invalid = json_queue.enqueue(JOB_FUNCTION, {"prompt": "x", "max_tokens": 0})
+    other = json_queue.enqueue("os.system", "true")
+    pickled = Queue("kvrq", connection=h.redis).enqueue(JOB_FUNCTION, {"prompt": "x"})  # rq's default: pickle
+    too_long = h.producer.submit({"prompt": "x", "max_tokens": 5000})
+    explodes = h.producer.submit({"prompt": "BOOM", "max_tokens": 2})
+    handles = [good] + [h.producer.handle(j.id) for j in (invalid, other, pickled)] + [too_long, explodes]
+    h.run_until(h.all_ended(handles))
+    assert good.result(timeout=1).text == "ab"
+    reasons = []
+    for handle in handles[1:]:
+        with pytest.raises(JobFailedError) as info:
+            handle.result(timeout=1)
+        reasons.append(info.value.reason)
+    assert reasons[0].startswith(
+        "JobRejected: invalid request: max_tokens: Input should be greater than or equal to 1"
+    )
+    assert "runs worker.jobs.generate jobs only, not os.system" in reasons[1]
+    assert "not JSON" in reasons[2]
+    assert reasons[3].startswith("InvalidRequestError: prompt (1 tokens) + max_tokens (5000) exceeds")
+    assert reasons[4] == "RuntimeError: kaboom in submit"
+    with pytest.raises(JobFailedError, match="max_tokens"):
+        list(h.producer.handle(invalid.id).stream(timeout=1))
+
+
+def test_agent_jobs_run_in_order_and_resume_from_the_previous_cache(h: Harness) -> None:
+    a1 = h.producer.submit({"agent_id": "A", "prompt": "hello", "max_tokens": 4})
+    a2 = h.producer.submit({"agent_id": "A", "prompt": "hello" + "abcd" + " more", "max_tokens": 2})
+    b1 = h.producer.submit({"agent_id": "B", "prompt": "other", "max_tokens": 2})
+    h.loop.run_once()
+    running = {held.id for held in h.loop.scheduler.running.values()}
+    assert running == {a1.id, b1.id}  # A's second job waits, B is not held up behind it
+    assert a2.status() == "started"
+    h.run_until(h.all_ended([a1, a2, b1]))
+    order = [(agent, reused) for agent, _, reused in h.engine.submitted]
+    assert order == [("A", 0), ("B", 0), ("A", 9)]  # a2 reuses a1's prompt + answer
+    assert a2.result(timeout=1).usage.reused_tokens == 9
+    assert h.store.puts == ["B", "A", "A"] or h.store.puts == ["A", "B", "A"]
+    assert not h.redis.keys("kvrq:agent-lock:*")
+
+
+def test_full_pool_keeps_jobs_queued_not_failed() -> None:
+    h = Harness(pool_blocks=3)  # one job of 4 prompt + 8 generated tokens takes all 3 blocks
+    handles = [h.producer.submit({"prompt": "abcd", "max_tokens": 8}) for _ in range(3)]
+    h.loop.run_once()
+    assert h.statuses(handles) == ["started", "started", "queued"]  # one runs, one is held, one stays queued
+    assert h.loop.scheduler.waiting[0].wait_reason == "KV blocks"
+    h.run_until(h.all_ended(handles))
+    assert h.statuses(handles) == ["finished"] * 3
+    assert h.engine.max_active == 1
+
+
+def test_a_job_larger_than_the_pool_fails() -> None:
+    h = Harness(pool_blocks=3)
+    big = h.producer.submit({"prompt": "abcd", "max_tokens": 40})
+    h.run_until(h.all_ended([big]))
+    with pytest.raises(JobFailedError, match="RequestTooLargeError"):
+        big.result(timeout=1)
+
+
+def test_cancel_queued_and_running_jobs_frees_blocks(h: Harness) -> None:
+    running = h.producer.submit({"prompt": "x", "max_tokens": 1000})
+    h.run_until(lambda: bool(h.loop.scheduler.running))
+    queued = h.producer.submit({"prompt": "y", "max_tokens": 2})
+    assert queued.cancel() is True
+    assert queued.status() == "canceled"
+    assert running.cancel() is True
+    h.run_until(lambda: running.status() == "canceled")
+    assert h.engine.pool.free_blocks == h.engine.pool.total_blocks
+    assert not h.engine.has_work()
+    with pytest.raises(JobCanceledError):
+        running.result(timeout=1)
+    assert list(running.events(timeout=1))[-1].finish_reason == "cancelled"
+    assert running.cancel() is False
+    h.run_until(lambda: not h.redis.llen("rq:queue:kvrq"), 5)
+    assert h.engine.submitted[-1][1] != list(b"y")  # the canceled queued job never reached the engine
+
+
+def test_step_failure_fails_the_batch_and_the_worker_goes_on(h: Harness) -> None:
+    a = h.producer.submit({"prompt": "STEPFAIL", "max_tokens": 3})
+    h.run_until(h.all_ended([a]))
+    with pytest.raises(JobFailedError, match="step exploded"):
+        a.result(timeout=1)
+    b = h.producer.submit({"prompt": "ok", "max_tokens": 2})
+    h.run_until(h.all_ended([b]))
+    assert b.result(timeout=1).text == "ab"
+
+
+def test_job_timeout_fails_a_running_job() -> None:
+    h = Harness()
+    slow = h.producer.submit({"prompt": "x", "max_tokens": 4000, "job_timeout": 1})
+    deadline = time.monotonic() + 10
+    while slow.status() != "failed" and time.monotonic() < deadline:
+        h.loop.run_once()
+        time.sleep(0.01)
+    with pytest.raises(JobFailedError, match="JobTimeoutException"):
+        slow.result(timeout=1)
+    assert not h.engine.has_work()
+
+
+def test_drain_requeues_waiting_at_once_and_running_after_the_timeout() -> None:
+    h = Harness(drain_timeout=0.0)
+    first = h.producer.submit({"agent_id": "A", "prompt": "x", "max_tokens": 1000})
+    second = h.producer.submit({"agent_id": "A", "prompt": "y", "max_tokens": 2})
+    third = h.producer.submit({"prompt": "z", "max_tokens": 1000})
+    h.loop.run_once()
+    assert h.statuses([first, second, third]) == ["started"] * 3
+    h.loop.request_stop()
+    assert h.loop.run_once() is True  # drain_timeout 0: everything goes back at once
+    assert h.statuses([first, second, third]) == ["queued"] * 3
+    queue = Queue("kvrq", connection=h.redis, serializer=JSONSerializer)
+    assert queue.get_job_ids() == [first.id, second.id, third.id]  # original order kept
+    assert queue.started_job_registry.get_job_count() == 0
+    assert not h.engine.has_work()
+    # Another worker picks them up and streams restart cleanly.
+    h.loop = h.new_loop()
+    h.run_until(h.all_ended([first, second, third]), 3000)
+    assert second.result(timeout=1).text == "ab"
+    assert [e.kind for e in first.events(timeout=1)].count("start") == 2
+
+
+def test_drain_lets_running_jobs_finish_within_the_timeout() -> None:
+    h = Harness(drain_timeout=60.0)
+    job = h.producer.submit({"prompt": "x", "max_tokens": 5})
+    h.loop.run_once()
+    h.loop.request_stop()
+    later = h.producer.submit({"prompt": "y", "max_tokens": 5})
+    for _ in range(20):
+        if h.loop.run_once():
+            break
+    else:
+        raise AssertionError("did not drain")
+    assert job.status() == "finished"
+    assert later.status() == "queued"
+    h.loop.shutdown()
+    assert h.store.closed
+
+
+def test_abandoned_jobs_are_requeued_or_failed(h: Harness) -> None:
+    retried = h.producer.submit({"prompt": "x", "max_tokens": 1000, "retries": 1})
+    failed = h.producer.submit({"prompt": "y", "max_tokens": 1000})
+    h.loop.run_once()
+    assert h.statuses([retried, failed]) == ["started", "started"]
+    # The worker dies (no more heartbeats); later, maintenance finds the heartbeats expired.
+    report = clean_queues(h.redis, ["kvrq"], now=time.time() + 3600)
+    assert sorted(report.abandoned["kvrq"]) == sorted([retried.id, failed.id])
+    assert h.statuses([retried, failed]) == ["queued", "failed"]
+    with pytest.raises(JobFailedError, match="AbandonedJobError"):
+        failed.result(timeout=1)
+
+
+def test_heartbeat_lets_go_of_a_job_taken_over_elsewhere(h: Harness) -> None:
+    job = h.producer.submit({"prompt": "x", "max_tokens": 1000, "retries": 1})
+    h.loop.run_once()
+    clean_queues(h.redis, ["kvrq"], now=time.time() + 3600)  # declared abandoned while alive
+    assert job.status() == "queued"
+    time.sleep(0.06)
+    h.loop.run_once()  # heartbeat notices, lets go, and dequeues it again
+    assert len(h.loop.scheduler) == 1
+    assert job.status() == "started"
+
+
+def test_redis_outage_loses_nothing(h: Harness) -> None:
+    handles = [h.producer.submit({"prompt": f"p{i}", "max_tokens": 6}) for i in range(2)]
+    h.loop.run_once()
+    h.loop.run_once()
+    h.server.connected = False
+    for _ in range(3):
+        with pytest.raises(Exception, match="onnection"):
+            h.loop.run_once()
+    h.server.connected = True
+    h.run_until(h.all_ended(handles))
+    for handle in handles:
+        assert handle.result(timeout=1).text == "abcdef"
+        assert "".join(handle.stream(timeout=1)) == "abcdef"

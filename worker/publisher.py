@@ -1,0 +1,67 @@
+"""Buffered writes of token streams and job progress: one Redis round trip per engine step.
+
+Writes are kept until `flush()` succeeds, so a step's tokens survive a Redis outage and
+are published once it is back (a transaction: all of a flush lands, or none of it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis import Redis
+from rq.job import Job
+from rq.serializers import resolve_serializer
+
+from producer.protocol import SERIALIZER, StreamEvent, stream_key
+
+
+class Publisher:
+    def __init__(self, connection: Redis, *, stream_ttl: int, stream_maxlen: int) -> None:
+        self.connection = connection
+        self.stream_ttl = stream_ttl
+        self.stream_maxlen = stream_maxlen
+        self._events: list[tuple[str, dict[str, str]]] = []
+        self._meta: dict[str, bytes] = {}  # job key -> serialized meta (latest wins)
+        self._serializer = resolve_serializer(SERIALIZER)
+
+    def event(self, job_id: str, event: StreamEvent) -> None:
+        self._events.append((stream_key(job_id), event.to_fields()))
+
+    def delta(self, job_id: str, text: str, token: int) -> None:
+        self.event(job_id, StreamEvent("delta", text=text, token=token))
+
+    def start(self, job_id: str, attempt: str) -> None:
+        self.event(job_id, StreamEvent("start", attempt=attempt))
+
+    def end(self, job_id: str, finish_reason: str) -> None:
+        self.event(job_id, StreamEvent("end", finish_reason=finish_reason))
+
+    def error(self, job_id: str, reason: str) -> None:
+        self.event(job_id, StreamEvent("error", error=reason))
+
+    def progress(self, job: Job, **progress: Any) -> None:
+        """Merge `progress` into job.meta["progress"] (what `rq info -v` and dashboards show)."""
+        current = job.meta.get("progress")
+        merged = {**current, **progress} if isinstance(current, dict) else dict(progress)
+        job.meta["progress"] = merged
+        self._meta[job.key] = self._serializer.dumps(job.meta)
+
+    @property
+    def pending(self) -> int:
+        return len(self._events) + len(self._meta)
+
+    def flush(self) -> None:
+        if not self._events and not self._meta:
+            return
+        with self.connection.pipeline(transaction=True) as pipe:
+            touched: set[str] = set()
+            for key, fields in self._events:
+                pipe.xadd(key, fields, maxlen=self.stream_maxlen, approximate=True)  # type: ignore[arg-type]
+                touched.add(key)
+            for key in touched:
+                pipe.expire(key, self.stream_ttl)
+            for job_key, meta in self._meta.items():
+                pipe.hset(job_key, "meta", meta)
+            pipe.execute()
+        self._events.clear()
+        self._meta.clear()

@@ -1,0 +1,78 @@
+"""`kvrq worker`: load the model, open the store, register with rq, run the loop until stopped.
+
+The only module of the CLI that imports MLX (through engine.*), and only when called.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from redis import Redis
+
+from worker.backoff import Backoff
+from worker.loop import REDIS_DOWN, WorkerLoop
+from worker.rqexec import KvrqWorker
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("kvrq.worker")
+MiB = 1024 * 1024
+
+
+def wait_for_redis(url: str) -> Redis:
+    """A connection to `url`, waiting (with backoff) while Redis is not up yet."""
+    connection = Redis.from_url(url)
+    backoff = Backoff()
+    while True:
+        try:
+            connection.ping()
+            return connection
+        except REDIS_DOWN as exc:
+            delay = backoff.next()
+            log.warning("Redis at %s unreachable (%s): retry in %.1f s", url, exc, delay)
+            time.sleep(delay)
+
+
+def serve(settings: WorkerSettings) -> int:
+    from engine.engine import BlockPoolBatchEngine
+    from engine.model import load_model
+    from store import open_store
+
+    started = time.perf_counter()
+    model, tokenizer = load_model(settings.model)
+    engine = BlockPoolBatchEngine(
+        model,
+        tokenizer,
+        model_name=settings.model,
+        pool_blocks=settings.pool_blocks,
+        pool_mb=settings.pool_mb,
+        max_batch=settings.max_batch,
+        prefill_step_size=settings.prefill_step_size,
+    )
+    store = open_store(
+        settings.store_uri(),
+        engine.spec,
+        hot_tier_bytes=int(settings.store_hot_mb * MiB),
+        max_bytes=None if settings.store_max_mb is None else int(settings.store_max_mb * MiB),
+        quantization=settings.store_quantization,
+    )
+    log.info(
+        "model %s loaded in %.1f s; store %s", settings.model, time.perf_counter() - started, settings.store
+    )
+    connection = wait_for_redis(settings.redis_url)
+    rq_worker = KvrqWorker(
+        settings.queue_names,
+        connection=connection,
+        name=settings.name,
+        heartbeat_ttl=settings.heartbeat_ttl,
+        default_result_ttl=settings.result_ttl,
+    )
+    loop = WorkerLoop(
+        engine=engine, store=store, rq_worker=rq_worker, settings=settings, model_name=settings.model
+    )
+    loop.install_signal_handlers()
+    loop.start()
+    try:
+        return loop.run()
+    finally:
+        engine.close()
