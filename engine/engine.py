@@ -36,6 +36,7 @@ class _Sequence:
     prompt_tokens: list[int]
     reused_tokens: int
     stop_token_ids: frozenset[int]
+    keep_cache: bool
     text: TextStream
     submitted_at: float
     generated: list[int] = field(default_factory=list)
@@ -109,8 +110,12 @@ class BlockPoolBatchEngine:
         seed: int | None = None,
         stop: Sequence[str] = (),
         stop_tokens: Sequence[int] = (),
+        keep_cache: bool = True,
     ) -> int:
         """Queue one sequence; it joins the batch at the next step.
+
+        `keep_cache=False` skips cutting the finished KV into blocks (a one-off job
+        with no agent has nowhere to save it): the completion's cache is then None.
 
         Raises InvalidRequestError (or RequestTooLargeError) for a request that can
         never run, PoolExhaustedError when the pool cannot hold it now; in every
@@ -145,6 +150,7 @@ class BlockPoolBatchEngine:
             prompt_tokens=prompt,
             reused_tokens=reused,
             stop_token_ids=stop_ids,
+            keep_cache=keep_cache,
             text=TextStream(self.tokenizer, tuple(stop)),
             submitted_at=time.perf_counter(),
         )
@@ -241,7 +247,7 @@ class BlockPoolBatchEngine:
         del self._sequences[seq.uid]
         self.pool.free(seq.uid)
         cache = None
-        if layers is not None and all_tokens is not None and self.spec.all_full_attention:
+        if seq.keep_cache and layers is not None and all_tokens is not None and self.spec.all_full_attention:
             cache = caches_to_blocks(layers, list(all_tokens), self.spec)
         now = time.perf_counter()
         return Completion(

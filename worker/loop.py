@@ -321,6 +321,7 @@ class WorkerLoop:
             top_p=request.top_p,
             seed=request.seed,
             stop=tuple(request.stop),
+            keep_cache=held.agent_id is not None and self.store is not None,
         )
 
     def _load_cache(self, held: HeldJob) -> tuple[AgentCache | None, float]:

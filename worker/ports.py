@@ -31,6 +31,7 @@ class Engine(Protocol):
         seed: int | None = None,
         stop: Sequence[str] = (),
         stop_tokens: Sequence[int] = (),
+        keep_cache: bool = True,
     ) -> int: ...
 
     def step(self) -> StepOutput: ...

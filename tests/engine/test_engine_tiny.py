@@ -165,3 +165,10 @@ def test_no_blocks_leak_over_many_generations(engine: BlockPoolBatchEngine) -> N
         engine.cancel(uids[round_ % 4])
         run_all(engine)
     assert engine.pool.used_blocks == start
+
+
+def test_keep_cache_false_skips_the_blocks(engine: BlockPoolBatchEngine) -> None:
+    uid = engine.submit(None, PROMPT, max_tokens=5, keep_cache=False)
+    completion = run_all(engine)[uid]
+    assert completion.cache is None and completion.usage.generated_tokens > 0
+    assert engine.pool.used_blocks == 0

@@ -95,6 +95,7 @@ class FakeEngine:
         seed: int | None = None,
         stop: Sequence[str] = (),
         stop_tokens: Sequence[int] = (),
+        keep_cache: bool = True,
     ) -> int:
         prompt = list(prompt_tokens)
         text = self.tokenizer.decode(prompt)
