@@ -48,6 +48,13 @@ def redis_server(workdir: Path) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
+def worker_command(redis_url: str, *, queue: str, store: str, name: str | None = None) -> list[str]:
+    """The argv that starts `kvrq worker` with this interpreter (no console script needed)."""
+    command = [sys.executable, "-m", "worker.cli", "worker", "--redis", redis_url, "--queue", queue]
+    command += ["--store", store]
+    return command + (["--name", name] if name else [])
+
+
 @contextmanager
 def worker_process(
     redis_url: str,
@@ -60,20 +67,7 @@ def worker_process(
     timeout: float = 300,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`kvrq worker` as a child process, yielded once it is registered; SIGTERM (drain) on exit."""
-    command = [
-        sys.executable,
-        "-m",
-        "worker.cli",
-        "worker",
-        "--redis",
-        redis_url,
-        "--queue",
-        queue,
-        "--store",
-        store,
-    ]
-    if name:
-        command += ["--name", name]
+    command = worker_command(redis_url, queue=queue, store=store, name=name)
     with tempfile.TemporaryFile() as log_file:
         proc = subprocess.Popen([*command, *args], stdout=log_file, stderr=subprocess.STDOUT, env=env)
         try:

@@ -7,7 +7,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 from redis import Redis
 
 from tests.conftest import free_port
+from worker.spawn import worker_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,18 +85,7 @@ class WorkerProcess:
         self.queue = queue
         self.log_path = workdir / f"{name}.log"
         self.command = [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "worker",
-            "--redis",
-            redis_url,
-            "--queue",
-            queue,
-            "--store",
-            f"disk:{workdir / 'cache'}",
-            "--name",
-            name,
+            *worker_command(redis_url, queue=queue, store=f"disk:{workdir / 'cache'}", name=name),
             *args,
         ]
         self.env = {**os.environ, "KVRQ_HEARTBEAT_INTERVAL": "0.5", **(env or {})}
