@@ -15,6 +15,27 @@ DEFAULT_QUEUE = "kvrq"
 #: rq serializer alias used for every kvrq job: JSON, never pickle.
 SERIALIZER = "json"
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: Field kvrq adds to its rq worker hash: jobs the worker holds at once (batch runs size their
+#: concurrency from it).
+CAPACITY_FIELD = "kvrq_capacity"
+#: job.meta key of a failed job's structured error: {"code": ErrorCode value, "message": one line}.
+#: Clients and batch runs decide on `code`, never on the text of rq's exc_info.
+ERROR_META_KEY = "kvrq_error"
+
+
+class ErrorCode:
+    """Why a kvrq job failed; the values are the wire format (job.meta[ERROR_META_KEY]["code"])."""
+
+    INVALID_REQUEST = "invalid_request"  # the payload can never run (bad fields, too large): not retried
+    TIMEOUT = "timeout"  # the job ran past its job_timeout
+    ENGINE_ERROR = "engine_error"  # the model step or the engine failed while the job ran
+    WORKER_CRASHED = "worker_crashed"  # its workers died while holding it, past its crash budget
+    INTERNAL = "internal"  # anything else the worker did not expect
+
+    ALL = (INVALID_REQUEST, TIMEOUT, ENGINE_ERROR, WORKER_CRASHED, INTERNAL)
+
+
 _PREFIX = "kvrq"
 
 
@@ -44,7 +65,7 @@ class StreamEvent:
 
     `start`: a worker began (or, after a crash or drain, began again) an `attempt` of the job;
     `delta`: `text` (empty while a character is incomplete, and for the stop token) and `token`;
-    `end`: `finish_reason` ("stop", "length" or "cancelled"); `error`: `error` (the reason).
+    `end`: `finish_reason` ("stop", "length" or "canceled"); `error`: `error` (the reason).
     """
 
     kind: EventKind
