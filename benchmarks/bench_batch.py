@@ -129,8 +129,8 @@ def main() -> int:
 
     from engine.model import load_model
     from producer.models import GenerationRequest
+    from worker.cli.spawn import redis_server, worker_process
     from worker.prompts import prompt_tokens
-    from worker.spawn import redis_server, worker_process
 
     lines = batch_lines(count, args.max_tokens)
     model, tokenizer = load_model("smollm2-135m")

@@ -247,8 +247,8 @@ def main() -> int:
     from engine.model import load_model
     from producer.client import Producer
     from producer.models import GenerationRequest
+    from worker.cli.spawn import redis_server, worker_process
     from worker.prompts import prompt_tokens
-    from worker.spawn import redis_server, worker_process
 
     model, tokenizer = load_model("smollm2-135m")
     requests = [{"messages": chat(q), "max_tokens": max_tokens} for q in QUESTIONS]

@@ -1,4 +1,4 @@
-"""`kvrq batch run|status|cancel`: argparse wiring for batch runs (registered by worker.cli).
+"""`kvrq batch run|status|cancel`: argparse wiring for batch runs (registered by worker.cli.main).
 
 `add_batch_commands(subparsers)` adds the `batch` command to kvrq's parser; each subcommand stores its
 handler as `func` (call `args.func(args)`, which returns the exit status). `python -m producer.batch_cli`

@@ -15,7 +15,7 @@ import pytest
 from redis import Redis
 
 from tests.conftest import free_port
-from worker.spawn import worker_command
+from worker.cli.spawn import worker_command
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.cli import build_parser, worker_settings
+from worker.cli.main import build_parser, worker_settings
 from worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +61,6 @@ def test_producer_needs_only_redis_rq_and_pydantic() -> None:
 def test_client_commands_do_not_import_mlx() -> None:
     loaded = _imports_after(
         "from worker.cli import build_parser; build_parser()\n"
-        "import worker.commands, worker.demo, worker.maintenance, worker.spawn"
+        "import worker.cli.commands, worker.cli.demo, worker.maintenance, worker.cli.spawn"
     )
     assert not loaded & {"mlx", "mlx_lm", "numpy", "engine", "transformers"}

@@ -159,7 +159,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from producer.models import ChatMessage, GenerationRequest
-    from worker.commands import generate
+    from worker.cli.commands import generate
 
     if args.raw:
         fields: dict[str, Any] = {
@@ -181,20 +181,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from worker.commands import status
+    from worker.cli.commands import status
 
     return status(args.redis, args.queues)
 
 
 def _cmd_maintenance(args: argparse.Namespace) -> int:
-    from worker.commands import maintenance
+    from worker.cli.commands import maintenance
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return maintenance(args.redis, args.queues, args.dead_worker)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from worker.demo import demo
+    from worker.cli.demo import demo
 
     return demo(
         args.redis,
@@ -219,7 +219,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

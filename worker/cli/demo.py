@@ -18,8 +18,8 @@ from typing import IO
 
 from producer.client import Producer
 from producer.models import ChatMessage, GenerationRequest
-from worker.commands import summary_line, workers_on
-from worker.spawn import redis_server, worker_process
+from worker.cli.commands import summary_line, workers_on
+from worker.cli.spawn import redis_server, worker_process
 
 _FACTS = (
     "The Lighthouse Project keeps a fleet of eleven research boats along a rocky northern coast. "

@@ -13,7 +13,7 @@ from redis import Redis
 from producer.client import Producer
 from producer.models import GenerationRequest
 from tests.worker.test_loop import Harness
-from worker import commands
+from worker.cli import commands
 
 
 @pytest.fixture
