@@ -161,7 +161,7 @@ def main() -> int:
         stack.enter_context(worker_process(url, store=store, args=["--max-batch", str(args.batch)]))
         from redis import Redis
 
-        from producer.batch_driver import default_concurrency
+        from producer.batch.driver import default_concurrency
 
         concurrency = args.concurrency or default_concurrency(Redis.from_url(url), "kvrq")
         report["concurrency"] = concurrency

@@ -13,7 +13,7 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.results import Result
 
-from producer.batch_jobs import JobOutcome, RqJobSource
+from producer.batch.jobs import JobOutcome, RqJobSource
 
 
 def fake_result(job_id: str, request: Mapping[str, Any], reused: int = 0) -> dict[str, Any]:

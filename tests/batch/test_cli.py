@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from producer.batch_cli import main
-from producer.batch_run import derive_run_id
+from producer.batch.cli import main
+from producer.batch.run import derive_run_id
 from tests.batch.fakes import FakeRqWorkerThread, read_output
 from tests.batch.test_driver import line
 

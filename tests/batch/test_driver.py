@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from producer.batch import batch_status, cancel_batch, run_batch
-from producer.batch_run import BatchRun, derive_run_id
+from producer.batch.run import BatchRun, derive_run_id
 from tests.batch.fakes import FakeJobs, RqFakeWorkerSource, read_output
 from tests.producer.fakes import fake_redis
 

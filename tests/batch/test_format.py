@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from producer.batch_format import (
+from producer.batch.format import (
     BadLine,
     BatchRequest,
     error_line,

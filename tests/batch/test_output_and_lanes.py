@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from producer.batch_format import BatchRequest, error_line
-from producer.batch_lanes import Lanes
-from producer.batch_output import BatchOutput, OutputLockedError
+from producer.batch.format import BatchRequest, error_line
+from producer.batch.lanes import Lanes
+from producer.batch.output import BatchOutput, OutputLockedError
 
 
 def test_appended_lines_are_found_again_and_never_written_twice(tmp_path: Path) -> None:

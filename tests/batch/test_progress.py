@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.batch_progress import Progress
+from producer.batch.progress import Progress
 
 
 def test_log_lines_carry_counts_tokens_per_second_and_eta() -> None:

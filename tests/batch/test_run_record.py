@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rq.job import JOB_ID_PATTERN
 
-from producer.batch_run import BatchRun, derive_run_id, job_id_for, list_runs, validate_run_id
+from producer.batch.run import BatchRun, derive_run_id, job_id_for, list_runs, validate_run_id
 from tests.producer.fakes import fake_redis
 
 

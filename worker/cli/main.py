@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=float, default=600)
     demo.set_defaults(func=_cmd_demo)
 
-    from producer.batch_cli import add_batch_commands
+    from producer.batch.cli import add_batch_commands
 
     add_batch_commands(commands)
     return parser

@@ -20,7 +20,7 @@ from typing import Any
 
 from redis import Redis
 
-from producer.batch_format import (
+from producer.batch.format import (
     BadLine,
     BatchRequest,
     ErrorCode,
@@ -29,12 +29,12 @@ from producer.batch_format import (
     failure_code,
     parse_lines,
 )
-from producer.batch_format import success_line as format_success
-from producer.batch_jobs import JobOutcome, JobSource, RqJobSource
-from producer.batch_lanes import Lanes
-from producer.batch_output import BatchOutput
-from producer.batch_progress import Progress
-from producer.batch_run import BatchRun, RunState, derive_run_id, job_id_for, validate_run_id
+from producer.batch.format import success_line as format_success
+from producer.batch.jobs import JobOutcome, JobSource, RqJobSource
+from producer.batch.lanes import Lanes
+from producer.batch.output import BatchOutput
+from producer.batch.progress import Progress
+from producer.batch.run import BatchRun, RunState, derive_run_id, job_id_for, validate_run_id
 from producer.protocol import DEFAULT_QUEUE
 
 logger = logging.getLogger("kvrq.batch")

@@ -1,7 +1,7 @@
 """`kvrq batch run|status|cancel`: argparse wiring for batch runs (registered by worker.cli.main).
 
 `add_batch_commands(subparsers)` adds the `batch` command to kvrq's parser; each subcommand stores its
-handler as `func` (call `args.func(args)`, which returns the exit status). `python -m producer.batch_cli`
+handler as `func` (call `args.func(args)`, which returns the exit status). `python -m producer.batch.cli`
 runs the same commands without the rest of kvrq.
 """
 
@@ -18,7 +18,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from producer.batch import RunNotFoundError, batch_status, cancel_batch, list_batches, run_batch
-from producer.batch_output import OutputLockedError
+from producer.batch.output import OutputLockedError
 from producer.protocol import DEFAULT_QUEUE
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from producer.batch_format import BatchRequest
+from producer.batch.format import BatchRequest
 
 
 def lane_of(item: BatchRequest) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from producer.batch_format import key_of_output
+from producer.batch.format import key_of_output
 
 
 class OutputLockedError(RuntimeError):

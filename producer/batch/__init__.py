@@ -1,6 +1,6 @@
 """Batch offline generation runs, the Python API: `run_batch`, `batch_status`, `cancel_batch`, `list_batches`.
 
-The CLI (`kvrq batch run|status|cancel`, producer/batch_cli.py) is a thin layer over these.
+The CLI (`kvrq batch run|status|cancel`, producer/batch/cli.py) is a thin layer over these.
 
 Input: JSONL in the OpenAI Batch API request format, one request per line:
     {"custom_id": "t1", "method": "POST", "url": "/v1/chat/completions",
@@ -44,9 +44,9 @@ from typing import Any
 
 from redis import Redis
 
-from producer.batch_driver import BatchSummary, run_batch
-from producer.batch_jobs import RqJobSource
-from producer.batch_run import BatchRun, list_runs
+from producer.batch.driver import BatchSummary, run_batch
+from producer.batch.jobs import RqJobSource
+from producer.batch.run import BatchRun, list_runs
 
 __all__ = ["BatchSummary", "RunNotFoundError", "batch_status", "cancel_batch", "list_batches", "run_batch"]
 
