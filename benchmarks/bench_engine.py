@@ -17,6 +17,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fastpath import ensure_fast_blas  # noqa: E402
+from engine.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine.json"
 
@@ -151,7 +152,7 @@ def bench_throughput(concurrency: list[int], max_tokens: int) -> list[dict[str, 
         def ours(n: int = n, prompts: list[list[int]] = prompts) -> int:
             eng = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", max_batch=n)
             for p in prompts:
-                eng.submit(None, p, max_tokens=max_tokens, stop_tokens=[])
+                eng.submit(None, p, SamplingParams(max_tokens=max_tokens, stop_tokens=()))
             count = 0
             while eng.has_work():
                 count += len(eng.step().deltas)

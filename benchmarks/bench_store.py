@@ -26,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fastpath import ensure_fast_blas  # noqa: E402
+from engine.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "store.json"
 FLOOR_SPEEDUP = {512: 27, 1024: 59, 2048: 124}  # raw mlx-lm warm resume, PLATFORM-NOTES.md
@@ -224,7 +225,7 @@ def run_to_end(
 ) -> tuple[Any, float]:
     """(completion, seconds from submit to the first generated token)."""
     start = time.perf_counter()
-    uid = engine.submit(agent, prompt, cache=cache, max_tokens=max_tokens)
+    uid = engine.submit(agent, prompt, SamplingParams(max_tokens=max_tokens), cache=cache)
     first = None
     while True:
         out = engine.step()
@@ -390,8 +391,9 @@ def bench_quant(engine: Any, root: Path, new_tokens: int = 64) -> list[dict]:
     rows = []
     for mode, group in (("none", 0), ("q8", 64), ("q8", 32), ("q4", 64), ("q4", 32)):
         label = f"{mode}/{group}" if group else mode
-        store = DiskStore(root / f"quant-{label.replace('/', '-')}", engine.spec, quantization=mode,
-                          group_size=group or 64)
+        store = DiskStore(
+            root / f"quant-{label.replace('/', '-')}", engine.spec, quantization=mode, group_size=group or 64
+        )
         outputs[label] = []
         stored = tokens = 0
         for index, (cache, follow_up) in enumerate(conversations):
@@ -404,9 +406,7 @@ def bench_quant(engine: Any, root: Path, new_tokens: int = 64) -> list[dict]:
             done, _ = run_to_end(engine, None, follow_up, resumed, new_tokens)
             outputs[label].append(list(done.token_ids))
         store.close()
-        agreements = [
-            _agreement(ref, got) for ref, got in zip(outputs["none"], outputs[label], strict=True)
-        ]
+        agreements = [_agreement(ref, got) for ref, got in zip(outputs["none"], outputs[label], strict=True)]
         rows.append(
             {
                 "quantization": mode,
@@ -500,8 +500,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     table(
                         results["resume_direct"],
-                        ["context", "cold_ttft_s", "warm_ttft_s", "store_get_s", "speedup", "floor_speedup",
-                         "vs_floor", "first_token_identical"],
+                        [
+                            "context",
+                            "cold_ttft_s",
+                            "warm_ttft_s",
+                            "store_get_s",
+                            "speedup",
+                            "floor_speedup",
+                            "vs_floor",
+                            "first_token_identical",
+                        ],
                     )
                 )
                 results["resume"] = bench_resume(engine, contexts, runs, root)
@@ -509,9 +517,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     table(
                         results["resume"],
-                        ["context", "cache_mb", "cold_ttft_s", "warm_ttft_s", "store_get_s", "speedup",
-                         "warm_hot_ttft_s", "speedup_hot", "floor_speedup", "vs_floor",
-                         "first_token_identical"],
+                        [
+                            "context",
+                            "cache_mb",
+                            "cold_ttft_s",
+                            "warm_ttft_s",
+                            "store_get_s",
+                            "speedup",
+                            "warm_hot_ttft_s",
+                            "speedup_hot",
+                            "floor_speedup",
+                            "vs_floor",
+                            "first_token_identical",
+                        ],
                     )
                 )
             if "quant" in sections:
@@ -520,9 +538,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     table(
                         results["quant"],
-                        ["quantization", "group_size", "bytes_per_1k_tokens", "vs_none", "identical_prompts",
-                         "prompts",
-                         "first_divergence", "token_agreement", "identical_to_fresh_prefill"],
+                        [
+                            "quantization",
+                            "group_size",
+                            "bytes_per_1k_tokens",
+                            "vs_none",
+                            "identical_prompts",
+                            "prompts",
+                            "first_divergence",
+                            "token_agreement",
+                            "identical_to_fresh_prefill",
+                        ],
                     )
                 )
     finally:

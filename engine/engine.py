@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
@@ -21,12 +21,20 @@ from engine.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.errors import InvalidRequestError
 from engine.kv_convert import blocks_to_caches, caches_to_blocks
 from engine.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
-from engine.sampling import make_sampler, validate_sampling
+from engine.sampling import SamplingParams
 from engine.spec import ModelCacheSpec, spec_from_model
 from engine.textstream import TextStream
 
 DEFAULT_POOL_MB = 2048
 DEFAULT_CONTEXT = 8192
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The engine's answer to "can this request start?": now, later (it fits once others end) or never."""
+
+    verdict: Literal["now", "later", "never"]
+    reason: str = ""
 
 
 @dataclass
@@ -87,9 +95,33 @@ class BlockPoolBatchEngine:
     def free_slots(self) -> int:
         return max(0, self.max_batch - len(self._sequences))
 
-    def can_admit(self, n_prompt_tokens: int, max_tokens: int) -> bool:
-        return self.free_slots() > 0 and self.pool.can_allocate(
-            self.blocks_needed(n_prompt_tokens, max_tokens)
+    def admission(self, n_prompt_tokens: int, max_tokens: int) -> Admission:
+        """Whether a request of this size can start now, later (once running ones end), or never.
+
+        The one place the engine's budgets (batch slots, KV blocks, context) are judged;
+        `submit` raises exactly when this does not say "now".
+        """
+        beyond_context = self._beyond_context(n_prompt_tokens, max_tokens)
+        if beyond_context:
+            return Admission("never", beyond_context)
+        needed = self.blocks_needed(n_prompt_tokens, max_tokens)
+        if needed > self.pool.total_blocks:
+            return Admission(
+                "never", f"needs {needed} blocks but the whole pool holds {self.pool.total_blocks}"
+            )
+        if self.free_slots() <= 0:
+            return Admission("later", f"all {self.max_batch} batch slots are busy")
+        if not self.pool.can_allocate(needed):
+            free, total = self.pool.free_blocks, self.pool.total_blocks
+            return Admission("later", f"KV blocks: needs {needed}, {free} of {total} free")
+        return Admission("now")
+
+    def _beyond_context(self, n_prompt_tokens: int, max_tokens: int) -> str:
+        if n_prompt_tokens + max_tokens <= self.max_context:
+            return ""
+        return (
+            f"prompt ({n_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model "
+            f"context of {self.max_context} tokens"
         )
 
     def active(self) -> int:
@@ -102,14 +134,9 @@ class BlockPoolBatchEngine:
         self,
         agent_id: str | None,
         prompt_tokens: Sequence[int],
+        params: SamplingParams,
         *,
         cache: AgentCache | None = None,
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_tokens: Sequence[int] = (),
         keep_cache: bool = True,
     ) -> int:
         """Queue one sequence; it joins the batch at the next step.
@@ -118,12 +145,12 @@ class BlockPoolBatchEngine:
         with no agent has nowhere to save it): the completion's cache is then None.
 
         Raises InvalidRequestError (or RequestTooLargeError) for a request that can
-        never run, PoolExhaustedError when the pool cannot hold it now; in every
-        case nothing has changed.
+        never run, PoolExhaustedError when the pool cannot hold it now (`admission`
+        says which beforehand); in every case nothing has changed.
         """
-        prompt = self._validate(prompt_tokens, max_tokens, temperature, top_p, seed, stop, stop_tokens, cache)
+        prompt = self._validate(prompt_tokens, params, cache)
         owner = object()
-        self.pool.allocate(owner, self.blocks_needed(len(prompt), max_tokens))
+        self.pool.allocate(owner, self.blocks_needed(len(prompt), params.max_tokens))
         try:
             reused = 0
             layer_caches = None
@@ -131,13 +158,13 @@ class BlockPoolBatchEngine:
                 reused = min(common_prefix_length(cache.token_ids, prompt), len(prompt) - 1)
                 if reused > 0:
                     layer_caches = [blocks_to_caches(cache, reused)]
-            stop_ids = self.eos_token_ids | frozenset(int(t) for t in stop_tokens)
+            stop_ids = self.eos_token_ids | frozenset(int(t) for t in params.stop_tokens)
             (uid,) = self._generator.insert(
                 [prompt[reused:]],
-                max_tokens=[max_tokens],
+                max_tokens=[params.max_tokens],
                 caches=layer_caches,
                 all_tokens=[prompt[:reused]],
-                samplers=[make_sampler(temperature, top_p, seed)],  # type: ignore[list-item]
+                samplers=[params.sampler()],  # type: ignore[list-item]
                 stop_sequences=[StopSequences([[t] for t in sorted(stop_ids)])],
             )
         except BaseException:
@@ -151,21 +178,13 @@ class BlockPoolBatchEngine:
             reused_tokens=reused,
             stop_token_ids=stop_ids,
             keep_cache=keep_cache,
-            text=TextStream(self.tokenizer, tuple(stop)),
+            text=TextStream(self.tokenizer, tuple(params.stop)),
             submitted_at=time.perf_counter(),
         )
         return uid
 
     def _validate(
-        self,
-        prompt_tokens: Sequence[int],
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-        stop: Sequence[str],
-        stop_tokens: Sequence[int],
-        cache: AgentCache | None,
+        self, prompt_tokens: Sequence[int], params: SamplingParams, cache: AgentCache | None
     ) -> list[int]:
         prompt = list(prompt_tokens)
         if not prompt:
@@ -174,18 +193,10 @@ class BlockPoolBatchEngine:
             raise InvalidRequestError("prompt tokens must be integers")
         if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if len(prompt) + max_tokens > self.max_context:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model context "
-                f"of {self.max_context} tokens"
-            )
-        validate_sampling(temperature, top_p, seed)
-        if isinstance(stop, str) or any(not isinstance(s, str) or not s for s in stop):
-            raise InvalidRequestError("stop must be a list of non-empty strings")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_tokens):
-            raise InvalidRequestError("stop_tokens must be non-negative integers")
+        params.validate()
+        beyond_context = self._beyond_context(len(prompt), params.max_tokens)
+        if beyond_context:
+            raise InvalidRequestError(beyond_context)
         if cache is not None:
             if not self.spec.all_full_attention:
                 raise InvalidRequestError(
@@ -235,7 +246,7 @@ class BlockPoolBatchEngine:
         if seq is None:
             return None
         self._generator.remove([uid])
-        return self._finish(seq, "cancelled", None, None)
+        return self._finish(seq, "canceled", None, None)
 
     def _finish(
         self,

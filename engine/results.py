@@ -7,7 +7,7 @@ from typing import Literal
 
 from engine.blocks import AgentCache
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "canceled"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Completion:
     token_ids: list[int]  # generated tokens only
     finish_reason: FinishReason
     usage: Usage
-    cache: AgentCache | None  # prompt + generated tokens as blocks; None when cancelled
+    cache: AgentCache | None  # prompt + generated tokens as blocks; None when canceled
     time_to_first_token_s: float | None = None
     total_time_s: float = 0.0
 

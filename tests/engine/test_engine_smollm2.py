@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 from mlx_lm import generate
 
+from engine.blocks import AgentCache
 from engine.engine import BlockPoolBatchEngine
 from engine.errors import InvalidRequestError
 from engine.results import Completion
+from engine.sampling import SamplingParams
 from tests.engine.test_engine_tiny import INVALID_REQUESTS
 
 pytestmark = pytest.mark.slow
@@ -55,7 +57,7 @@ def test_greedy_output_is_byte_identical_to_mlx_lm(
     expected = {
         name: generate(model, tokenizer, p, max_tokens=16, verbose=False) for name, p in prompts.items()
     }
-    uids = {name: engine.submit(name, p, max_tokens=16) for name, p in prompts.items()}
+    uids = {name: engine.submit(name, p, SamplingParams(max_tokens=16)) for name, p in prompts.items()}
     done = run_all(engine)
     for name, uid in uids.items():
         assert done[uid].text == expected[name], name
@@ -116,13 +118,13 @@ def test_three_agents_in_one_batch_and_a_late_joiner(
     late_prompt = prompt_of(tokenizer, [{"role": "user", "content": "Name a colour."}])
     late_expected = generate(model, tokenizer, late_prompt, max_tokens=5, verbose=False)
 
-    uids = {engine.submit(name, prompts[name], max_tokens=n): name for name, n in specs}
+    uids = {engine.submit(name, prompts[name], SamplingParams(max_tokens=n)): name for name, n in specs}
     done: dict[int, Completion] = {}
     for _ in range(4):  # everyone is decoding now
         for completion in engine.step().completions:
             done[completion.uid] = completion
     assert engine.active() == 3
-    late = engine.submit("late", late_prompt, max_tokens=5)
+    late = engine.submit("late", late_prompt, SamplingParams(max_tokens=5))
     done.update(run_all(engine))
     for uid, name in uids.items():
         assert done[uid].text == expected[name], name
@@ -135,11 +137,11 @@ def test_pool_returns_to_start_after_twenty_generations(
     _, tokenizer = smollm2
     start = engine.pool.used_blocks
     prompt = prompt_of(tokenizer, CHATS["short"])
-    uids = [engine.submit(f"agent{i}", prompt, max_tokens=3 + i % 4) for i in range(20)]
+    uids = [engine.submit(f"agent{i}", prompt, SamplingParams(max_tokens=3 + i % 4)) for i in range(20)]
     engine.step()
     for uid in uids[::5]:
         cancelled = engine.cancel(uid)
-        assert cancelled is not None and cancelled.finish_reason == "cancelled"
+        assert cancelled is not None and cancelled.finish_reason == "canceled"
     done = run_all(engine)
     assert len(done) == 16
     assert engine.pool.used_blocks == start
@@ -150,17 +152,20 @@ def test_invalid_requests_on_the_builtin_model(
     engine: BlockPoolBatchEngine, kwargs: dict[str, object], message: str
 ) -> None:
     before = (engine.pool.used_blocks, engine.active())
-    request: dict[str, object] = {"prompt_tokens": [1, 2, 3], "max_tokens": 4, **kwargs}
+    request: dict[str, Any] = {"prompt_tokens": [1, 2, 3], "max_tokens": 4, **kwargs}
+    prompt = request.pop("prompt_tokens")
     with pytest.raises(InvalidRequestError, match=message):
-        engine.submit("a", **request)  # type: ignore[arg-type]
+        engine.submit("a", prompt, SamplingParams(**request))
     assert (engine.pool.used_blocks, engine.active()) == before
 
 
 def test_context_limit_on_the_builtin_model(engine: BlockPoolBatchEngine) -> None:
     with pytest.raises(InvalidRequestError, match="exceeds the model context of 8192 tokens"):
-        engine.submit("a", [1, 2, 3], max_tokens=8190)
+        engine.submit("a", [1, 2, 3], SamplingParams(max_tokens=8190))
 
 
-def run_all_one(engine: BlockPoolBatchEngine, prompt: list[int], **kwargs: Any) -> Completion:
-    uid = engine.submit("agent", prompt, **kwargs)
+def run_all_one(
+    engine: BlockPoolBatchEngine, prompt: list[int], cache: AgentCache | None = None, **kwargs: Any
+) -> Completion:
+    uid = engine.submit("agent", prompt, SamplingParams(**kwargs), cache=cache)
     return run_all(engine)[uid]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from engine.engine import BlockPoolBatchEngine
 from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError, RequestTooLargeError
 from engine.results import Completion
+from engine.sampling import SamplingParams
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
 
@@ -59,9 +61,10 @@ INVALID_REQUESTS: list[tuple[dict[str, object], str]] = [
 def test_invalid_requests_raise_typed_errors_and_change_nothing(
     engine: BlockPoolBatchEngine, kwargs: dict[str, object], message: str
 ) -> None:
-    request: dict[str, object] = {"prompt_tokens": PROMPT, "max_tokens": 4, **kwargs}
+    request: dict[str, Any] = {"prompt_tokens": PROMPT, "max_tokens": 4, **kwargs}
+    prompt = request.pop("prompt_tokens")
     with pytest.raises(InvalidRequestError, match=message):
-        engine.submit("a", **request)  # type: ignore[arg-type]
+        engine.submit("a", prompt, SamplingParams(**request))
     assert engine.pool.used_blocks == 0 and engine.active() == 0 and not engine.has_work()
 
 
@@ -70,33 +73,35 @@ def test_prompt_beyond_the_context_is_rejected(engine: BlockPoolBatchEngine) -> 
         InvalidRequestError,
         match=r"prompt \(11 tokens\) \+ max_tokens \(4090\) exceeds the model context of 4096",
     ):
-        engine.submit("a", PROMPT, max_tokens=4090)
+        engine.submit("a", PROMPT, SamplingParams(max_tokens=4090))
     assert engine.pool.used_blocks == 0 and engine.active() == 0
 
 
 def test_cache_from_another_model_is_rejected(engine: BlockPoolBatchEngine) -> None:
     other = BlockPoolBatchEngine(tiny_model("qwen3"), ByteTokenizer(), model_name="tiny-qwen3", pool_blocks=4)
-    uid = other.submit("a", PROMPT, max_tokens=3)
+    uid = other.submit("a", PROMPT, SamplingParams(max_tokens=3))
     foreign = run_all(other)[uid].cache
     assert foreign is not None
     with pytest.raises(CacheMismatchError, match="cache was made for tiny-qwen3"):
-        engine.submit("a", PROMPT, cache=foreign, max_tokens=3)
+        engine.submit("a", PROMPT, SamplingParams(max_tokens=3), cache=foreign)
     assert engine.pool.used_blocks == 0 and engine.active() == 0
 
 
 def test_pool_full_now_is_distinct_from_never_fits(engine: BlockPoolBatchEngine) -> None:
-    engine.submit("a", PROMPT, max_tokens=4 * 256 - len(PROMPT))  # 4 of 8 blocks
-    engine.submit("b", PROMPT, max_tokens=3 * 256 - len(PROMPT))  # 3 more
+    engine.submit("a", PROMPT, SamplingParams(max_tokens=4 * 256 - len(PROMPT)))  # 4 of 8 blocks
+    engine.submit("b", PROMPT, SamplingParams(max_tokens=3 * 256 - len(PROMPT)))  # 3 more
     with pytest.raises(PoolExhaustedError, match="requested 2 blocks, 1 of 8 free"):
-        engine.submit("c", PROMPT, max_tokens=300)
+        engine.submit("c", PROMPT, SamplingParams(max_tokens=300))
     with pytest.raises(RequestTooLargeError, match="needs 9 blocks but the whole pool holds 8"):
-        engine.submit("d", PROMPT, max_tokens=9 * 256 - len(PROMPT))
+        engine.submit("d", PROMPT, SamplingParams(max_tokens=9 * 256 - len(PROMPT)))
     assert engine.pool.used_blocks == 7 and engine.active() == 2
-    assert not engine.can_admit(len(PROMPT), 300) and engine.can_admit(len(PROMPT), 10)
+    assert engine.admission(len(PROMPT), 300).verdict == "later"
+    assert engine.admission(len(PROMPT), 10).verdict == "now"
+    assert engine.admission(len(PROMPT), 9 * 256 - len(PROMPT)).verdict == "never"
 
 
 def test_generation_returns_blocks_and_frees_the_pool(engine: BlockPoolBatchEngine) -> None:
-    uid = engine.submit("a", PROMPT, max_tokens=20)
+    uid = engine.submit("a", PROMPT, SamplingParams(max_tokens=20))
     assert engine.pool.used_blocks == 1
     done = run_all(engine)
     completion = done[uid]
@@ -111,7 +116,7 @@ def test_generation_returns_blocks_and_frees_the_pool(engine: BlockPoolBatchEngi
 
 def test_cache_offset_matches_its_token_list(engine: BlockPoolBatchEngine) -> None:
     """mlx-lm runs one step ahead: the finished cache must cover exactly its listed tokens."""
-    uid = engine.submit("a", PROMPT, max_tokens=7, stop_tokens=[])
+    uid = engine.submit("a", PROMPT, SamplingParams(max_tokens=7, stop_tokens=()))
     completion = run_all(engine)[uid]
     assert completion.cache is not None
     n_kv = sum(block.n_tokens for block in completion.cache.blocks)
@@ -121,14 +126,14 @@ def test_cache_offset_matches_its_token_list(engine: BlockPoolBatchEngine) -> No
     assert n_kv == completion.cache.n_tokens == expected
 
 
-def test_cancel_frees_blocks_and_reports_cancelled(engine: BlockPoolBatchEngine) -> None:
-    keep = engine.submit("a", PROMPT, max_tokens=8)
-    gone = engine.submit("b", PROMPT, max_tokens=600)
+def test_cancel_frees_blocks_and_reports_canceled(engine: BlockPoolBatchEngine) -> None:
+    keep = engine.submit("a", PROMPT, SamplingParams(max_tokens=8))
+    gone = engine.submit("b", PROMPT, SamplingParams(max_tokens=600))
     engine.step()
     engine.step()
     assert engine.pool.used_blocks == 1 + 3
     cancelled = engine.cancel(gone)
-    assert cancelled is not None and cancelled.finish_reason == "cancelled" and cancelled.cache is None
+    assert cancelled is not None and cancelled.finish_reason == "canceled" and cancelled.cache is None
     assert engine.pool.used_blocks == 1
     assert engine.cancel(gone) is None
     assert set(run_all(engine)) == {keep}
@@ -136,15 +141,20 @@ def test_cancel_frees_blocks_and_reports_cancelled(engine: BlockPoolBatchEngine)
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates(engine: BlockPoolBatchEngine) -> None:
-    alone = engine.submit("a", PROMPT, max_tokens=12, temperature=1.0, seed=7, stop_tokens=[])
+    alone = engine.submit("a", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=7, stop_tokens=()))
     first = run_all(engine)[alone].token_ids
-    together = engine.submit("a", PROMPT, max_tokens=12, temperature=1.0, seed=7, stop_tokens=[])
-    engine.submit("b", list(b"other prompt"), max_tokens=12, temperature=1.0, seed=8)
+    together = engine.submit(
+        "a", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=7, stop_tokens=())
+    )
+    engine.submit("b", list(b"other prompt"), SamplingParams(max_tokens=12, temperature=1.0, seed=8))
     assert run_all(engine)[together].token_ids == first
 
 
 def test_text_deltas_concatenate_to_the_completion_text(engine: BlockPoolBatchEngine) -> None:
-    uids = [engine.submit(str(i), PROMPT[: 3 + i], max_tokens=30, temperature=0.8, seed=i) for i in range(3)]
+    uids = [
+        engine.submit(str(i), PROMPT[: 3 + i], SamplingParams(max_tokens=30, temperature=0.8, seed=i))
+        for i in range(3)
+    ]
     streamed = dict.fromkeys(uids, "")
     done: dict[int, Completion] = {}
     while engine.has_work():
@@ -160,7 +170,7 @@ def test_text_deltas_concatenate_to_the_completion_text(engine: BlockPoolBatchEn
 def test_no_blocks_leak_over_many_generations(engine: BlockPoolBatchEngine) -> None:
     start = engine.pool.used_blocks
     for round_ in range(5):
-        uids = [engine.submit(f"a{i}", PROMPT, max_tokens=5 + i) for i in range(4)]
+        uids = [engine.submit(f"a{i}", PROMPT, SamplingParams(max_tokens=5 + i)) for i in range(4)]
         engine.step()
         engine.cancel(uids[round_ % 4])
         run_all(engine)
@@ -168,7 +178,7 @@ def test_no_blocks_leak_over_many_generations(engine: BlockPoolBatchEngine) -> N
 
 
 def test_keep_cache_false_skips_the_blocks(engine: BlockPoolBatchEngine) -> None:
-    uid = engine.submit(None, PROMPT, max_tokens=5, keep_cache=False)
+    uid = engine.submit(None, PROMPT, SamplingParams(max_tokens=5), keep_cache=False)
     completion = run_all(engine)[uid]
     assert completion.cache is None and completion.usage.generated_tokens > 0
     assert engine.pool.used_blocks == 0

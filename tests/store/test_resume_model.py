@@ -17,6 +17,7 @@ import pytest
 from engine.blocks import AgentCache
 from engine.engine import BlockPoolBatchEngine
 from engine.results import Completion
+from engine.sampling import SamplingParams
 from store.backend import BlockBackend
 from store.disk import DiskStore
 from store.factory import open_store
@@ -40,7 +41,7 @@ def engine(smollm2: tuple[Any, Any]) -> Iterator[BlockPoolBatchEngine]:
 
 
 def run(engine: BlockPoolBatchEngine, prompt: list[int], cache: AgentCache | None) -> Completion:
-    uid = engine.submit("agent", prompt, cache=cache, max_tokens=NEW_TOKENS)
+    uid = engine.submit("agent", prompt, SamplingParams(max_tokens=NEW_TOKENS), cache=cache)
     while True:
         for completion in engine.step().completions:
             if completion.uid == uid:
