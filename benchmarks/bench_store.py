@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fastpath import ensure_fast_blas  # noqa: E402
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "store.json"
 FLOOR_SPEEDUP = {512: 27, 1024: 59, 2048: 124}  # raw mlx-lm warm resume, PLATFORM-NOTES.md

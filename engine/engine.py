@@ -20,8 +20,9 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from engine.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.errors import InvalidRequestError
 from engine.kv_convert import blocks_to_caches, caches_to_blocks
+from engine.params import SamplingParams
 from engine.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
-from engine.sampling import SamplingParams
+from engine.sampling import make_sampler
 from engine.spec import ModelCacheSpec, spec_from_model
 from engine.textstream import TextStream
 
@@ -164,7 +165,7 @@ class BlockPoolBatchEngine:
                 max_tokens=[params.max_tokens],
                 caches=layer_caches,
                 all_tokens=[prompt[:reused]],
-                samplers=[params.sampler()],  # type: ignore[list-item]
+                samplers=[make_sampler(params)],  # type: ignore[list-item]
                 stop_sequences=[StopSequences([[t] for t in sorted(stop_ids)])],
             )
         except BaseException:

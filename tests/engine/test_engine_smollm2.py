@@ -11,8 +11,8 @@ from mlx_lm import generate
 from engine.blocks import AgentCache
 from engine.engine import BlockPoolBatchEngine
 from engine.errors import InvalidRequestError
+from engine.params import SamplingParams
 from engine.results import Completion
-from engine.sampling import SamplingParams
 from tests.engine.test_engine_tiny import INVALID_REQUESTS
 
 pytestmark = pytest.mark.slow

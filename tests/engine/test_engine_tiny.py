@@ -9,8 +9,8 @@ import pytest
 
 from engine.engine import BlockPoolBatchEngine
 from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError, RequestTooLargeError
+from engine.params import SamplingParams
 from engine.results import Completion
-from engine.sampling import SamplingParams
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
 

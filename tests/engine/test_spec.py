@@ -31,6 +31,7 @@ def test_gemma3_mixes_sliding_and_global_layers() -> None:
     assert not spec.all_full_attention
 
 
+@pytest.mark.slow
 def test_builtin_model_spec(smollm2: tuple[object, object]) -> None:
     spec = spec_from_model(smollm2[0], "smollm2-135m")
     assert (spec.n_layers, spec.n_kv_heads, spec.k_head_dim, spec.v_head_dim) == (30, 3, 64, 64)

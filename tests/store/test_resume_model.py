@@ -16,8 +16,8 @@ import pytest
 
 from engine.blocks import AgentCache
 from engine.engine import BlockPoolBatchEngine
+from engine.params import SamplingParams
 from engine.results import Completion
-from engine.sampling import SamplingParams
 from store.backend import BlockBackend
 from store.disk import DiskStore
 from store.factory import open_store
