@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from engine.admission import Admission
 from engine.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.errors import InvalidRequestError
 from engine.kv_convert import blocks_to_caches, caches_to_blocks
@@ -28,14 +29,6 @@ from engine.textstream import TextStream
 
 DEFAULT_POOL_MB = 2048
 DEFAULT_CONTEXT = 8192
-
-
-@dataclass(frozen=True)
-class Admission:
-    """The engine's answer to "can this request start?": now, later (it fits once others end) or never."""
-
-    verdict: Literal["now", "later", "never"]
-    reason: str = ""
 
 
 @dataclass
