@@ -10,7 +10,7 @@ Verdict = Literal["now", "later", "never"]
 
 @dataclass(frozen=True)
 class Admission:
-    """ "now"; "later": it fits once running sequences end; "never": it can never run here (the reason says why)."""
+    """Now, later (it fits once running sequences end) or never (it cannot run here: see reason)."""
 
     verdict: Verdict
     reason: str = ""
