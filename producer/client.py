@@ -25,8 +25,10 @@ from producer.protocol import (
     DEFAULT_QUEUE,
     JOB_FUNCTION,
     SERIALIZER,
+    ErrorCode,
     StreamEvent,
     cancel_key,
+    failure_of,
     stream_key,
 )
 
@@ -34,26 +36,38 @@ from producer.protocol import (
 DEFAULT_JOB_TIMEOUT = 600
 TERMINAL_STATUSES = frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED})
 _POLL_S = 1.0
+_STREAM_FAILURE_WAIT_S = 2.0
 
 
 class JobFailedError(Exception):
-    """The job ended without a result; `reason` is the worker's one-line reason."""
+    """The job ended without a result; `reason` is the worker's one-line reason.
+
+    `code` says why in a form to decide on: an ErrorCode value (protocol.py) the worker recorded,
+    ErrorCode.INTERNAL when it recorded none; "canceled" for JobCanceledError.
+    """
 
     def __init__(
-        self, job_id: str, reason: str, *, status: str = "failed", details: str | None = None
+        self,
+        job_id: str,
+        reason: str,
+        *,
+        status: str = "failed",
+        details: str | None = None,
+        code: str = ErrorCode.INTERNAL,
     ) -> None:
         self.job_id = job_id
         self.reason = reason
         self.status = status
         self.details = details or reason
-        super().__init__(f"job {job_id} {status}: {reason}")
+        self.code = code
+        super().__init__(f"job {job_id} {status} ({code}): {reason}")
 
 
 class JobCanceledError(JobFailedError):
     """The job was canceled before it finished."""
 
     def __init__(self, job_id: str) -> None:
-        super().__init__(job_id, "canceled", status="canceled")
+        super().__init__(job_id, "canceled", status="canceled", code="canceled")
 
 
 class JobNotFoundError(LookupError):
@@ -64,10 +78,21 @@ class ResultTimeoutError(TimeoutError):
     """The job did not end within the given timeout; it keeps running."""
 
 
-def failure_reason(details: str | None) -> str:
-    """The last non-empty line of an rq exc_string: the exception and its message."""
-    lines = [line.strip() for line in (details or "").strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no reason recorded"
+def job_failure(connection: Redis, job_id: str) -> tuple[str, str, str | None]:
+    """(code, one-line reason, rq's exc_string) of a failed job: the worker's structured error in
+    job.meta when it wrote one, else what rq recorded (protocol.failure_of)."""
+    serializer = resolve_serializer(SERIALIZER)
+    latest = Result.fetch_latest(Job(job_id, connection=connection), serializer=serializer)
+    details = latest.exc_string if latest is not None else None
+    raw_meta = connection.hget(Job.key_for(job_id), "meta")
+    if isinstance(raw_meta, str):
+        raw_meta = raw_meta.encode()
+    try:
+        meta = serializer.loads(raw_meta) if raw_meta else None
+    except ValueError:  # meta written by a foreign client in another serializer: no kvrq error in it
+        meta = None
+    code, reason = failure_of(meta if isinstance(meta, dict) else None, details)
+    return code, reason, details
 
 
 class JobHandle:
@@ -123,13 +148,14 @@ class JobHandle:
             raise JobCanceledError(self.id)
         if status not in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED):
             return None
-        latest = Result.fetch_latest(Job(self.id, connection=self.connection), serializer=self._serializer)
         if status == JobStatus.FINISHED:
+            job = Job(self.id, connection=self.connection)
+            latest = Result.fetch_latest(job, serializer=self._serializer)
             if latest is None or latest.type != Result.Type.SUCCESSFUL:
                 raise JobFailedError(self.id, "finished, but its result has expired", status="expired")
             return GenerationResult.model_validate(latest.return_value)
-        details = latest.exc_string if latest is not None else None
-        raise JobFailedError(self.id, failure_reason(details), status=status, details=details)
+        code, reason, details = job_failure(self.connection, self.id)
+        raise JobFailedError(self.id, reason, status=status, details=details, code=code)
 
     def _read(
         self, key: str, last_id: bytes | str, *, block: float | None, count: int
@@ -210,7 +236,7 @@ class JobHandle:
             if events and events[-1].final:
                 return events
         if status == JobStatus.CANCELED:
-            return [StreamEvent("end", finish_reason="cancelled")]
+            return [StreamEvent("end", finish_reason="canceled")]
         try:
             result = self.result(timeout=0.001)
         except JobFailedError as exc:
@@ -237,7 +263,21 @@ class JobHandle:
                     yielded += len(event.text) - skip
                     yield event.text[skip:]
             elif event.kind == "error":
-                raise JobFailedError(self.id, event.error or "failed")
+                raise self._stream_failure(event.error or "failed")
+
+    def _stream_failure(self, reason: str) -> JobFailedError:
+        """The error a failed stream ends with, with the job's structured code.
+
+        The worker writes the stream's error event just before rq marks the job failed: wait a
+        moment for that, so the code is the one the worker recorded.
+        """
+        try:
+            self.result(timeout=_STREAM_FAILURE_WAIT_S)
+        except JobFailedError as exc:
+            return exc
+        except (ResultTimeoutError, JobNotFoundError):
+            pass
+        return JobFailedError(self.id, reason)
 
 
 class Producer:

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-#: Agent ids end up in Redis keys and file names: a safe charset and a length limit.
-AGENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+from producer.protocol import agent_id_problem
+
 QUEUE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
@@ -23,7 +23,7 @@ MAX_METADATA_BYTES = 64 * 1024
 #: Fields that steer rq (which queue, how long) rather than generation; not part of the job payload.
 QUEUE_OPTION_FIELDS = frozenset({"queue", "at_front", "job_timeout", "result_ttl", "retries"})
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "canceled"]
 
 
 class ChatMessage(BaseModel):
@@ -40,8 +40,8 @@ class GenerationRequest(BaseModel):
 
     agent_id: str | None = Field(
         default=None,
-        pattern=AGENT_ID_PATTERN,
-        description="resume from and save to this agent's KV cache; None for a one-off job",
+        description="resume from and save to this agent's KV cache; None for a one-off job "
+        "(the rule: producer.protocol.agent_id_problem)",
     )
     prompt: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
@@ -62,6 +62,14 @@ class GenerationRequest(BaseModel):
         default=None, ge=-1, description="seconds the result is kept (-1: forever)"
     )
     retries: int = Field(default=0, ge=0, le=100, description="re-runs after a failure or a worker crash")
+
+    @field_validator("agent_id")
+    @classmethod
+    def _agent_id_is_safe(cls, value: str | None) -> str | None:
+        problem = None if value is None else agent_id_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -6,8 +6,10 @@ a key or field renamed here changes for both at once.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 #: The function path rq records for every kvrq job. Plain rq users enqueue this string.
 JOB_FUNCTION = "worker.jobs.generate"
@@ -28,12 +30,58 @@ class ErrorCode:
     """Why a kvrq job failed; the values are the wire format (job.meta[ERROR_META_KEY]["code"])."""
 
     INVALID_REQUEST = "invalid_request"  # the payload can never run (bad fields, too large): not retried
+    #: An invalid request of one kind: prompt + max_tokens exceed the model context or the whole block pool.
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     TIMEOUT = "timeout"  # the job ran past its job_timeout
     ENGINE_ERROR = "engine_error"  # the model step or the engine failed while the job ran
     WORKER_CRASHED = "worker_crashed"  # its workers died while holding it, past its crash budget
     INTERNAL = "internal"  # anything else the worker did not expect
 
-    ALL = (INVALID_REQUEST, TIMEOUT, ENGINE_ERROR, WORKER_CRASHED, INTERNAL)
+    ALL = (INVALID_REQUEST, CONTEXT_LENGTH_EXCEEDED, TIMEOUT, ENGINE_ERROR, WORKER_CRASHED, INTERNAL)
+
+
+def failure_of(meta: Mapping[str, Any] | None, exc_string: str | None) -> tuple[str, str]:
+    """(ErrorCode value, one-line message) of a failed job, read from its job.meta and rq's exc_string.
+
+    A kvrq worker records the code in job.meta[ERROR_META_KEY]. Jobs it could not record anything
+    for were failed by rq itself: rq's abandoned-job cleanup (a worker died holding the job) writes no
+    meta, only an exc_string naming AbandonedJobError, so this is the one place that reads rq's text.
+    """
+    error = (meta or {}).get(ERROR_META_KEY)
+    if isinstance(error, Mapping) and isinstance(error.get("code"), str) and error["code"]:
+        message = error.get("message")
+        return error["code"], message if isinstance(message, str) and message else last_line(exc_string)
+    message = last_line(exc_string)
+    if "AbandonedJobError" in (exc_string or ""):
+        return ErrorCode.WORKER_CRASHED, f"its worker died while running it (rq: {message})"
+    return ErrorCode.INTERNAL, message
+
+
+def last_line(exc_string: str | None) -> str:
+    """The last non-empty line of an rq exc_string: the exception and its message."""
+    lines = [line.strip() for line in (exc_string or "").strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no reason recorded"
+
+
+#: Agent ids travel in job payloads and Redis keys (kvrq:agent-lock:<id>); stores map them to hashes.
+#: store/agent_ids.py holds the same rule (store may not import producer); a test keeps the two equal.
+MAX_AGENT_ID_LENGTH = 200
+AGENT_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:@+=-]*"
+_AGENT_ID = re.compile(AGENT_ID_PATTERN)
+
+
+def agent_id_problem(agent_id: object) -> str | None:
+    """Why `agent_id` is not a valid agent id, or None when it is."""
+    if not isinstance(agent_id, str):
+        return f"agent id must be a string, not {type(agent_id).__name__}"
+    if not agent_id or len(agent_id) > MAX_AGENT_ID_LENGTH:
+        return f"agent id must be 1 to {MAX_AGENT_ID_LENGTH} characters, got {len(agent_id)}"
+    if _AGENT_ID.fullmatch(agent_id) is None:
+        return (
+            f"agent id {agent_id!r} must start with a letter or digit and use only "
+            "letters, digits and . _ : @ + = -"
+        )
+    return None
 
 
 _PREFIX = "kvrq"
@@ -52,6 +100,20 @@ def cancel_key(job_id: str) -> str:
 def agent_lock_key(agent_id: str) -> str:
     """Lock that keeps two jobs of one agent from running at once, across workers."""
     return f"{_PREFIX}:agent-lock:{agent_id}"
+
+
+def batch_run_key(run_id: str) -> str:
+    """Hash of one batch run: state, counts, queue, paths, timestamps, the driving client."""
+    return f"{_PREFIX}:batch:run:{run_id}"
+
+
+def batch_jobs_key(run_id: str) -> str:
+    """Set of the rq job ids one batch run enqueued."""
+    return f"{batch_run_key(run_id)}:jobs"
+
+
+#: Sorted set of batch run ids by creation time (`kvrq batch status` lists it).
+BATCH_RUNS_KEY = f"{_PREFIX}:batch:runs"
 
 
 CANCEL_FLAG_TTL_S = 24 * 3600
@@ -106,3 +168,33 @@ class StreamEvent:
 
 def _text(value: bytes | str) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+# ---- keys of the worker fleet (workers write them; `kvrq status` and maintenance read them) ----
+
+
+def agent_jobs_key(agent_id: str) -> str:
+    """Sorted set of an agent's jobs held by any worker, scored by first enqueue time: whose turn it is."""
+    return f"{_PREFIX}:agent-jobs:{agent_id}"
+
+
+def agent_fence_key(agent_id: str) -> str:
+    """Counter bumped each time a job takes its agent's turn: the fencing token of that job's cache put."""
+    return f"{_PREFIX}:agent-fence:{agent_id}"
+
+
+def worker_alive_key(worker_name: str) -> str:
+    """Short-lived key a live worker keeps refreshing from a thread of its own: gone = the worker died."""
+    return f"{_PREFIX}:worker-alive:{worker_name}"
+
+
+def worker_agents_key(worker_name: str) -> str:
+    """Set of the agents whose turn (agent lock) a worker holds, freed at once when it dies."""
+    return f"{_PREFIX}:worker-agents:{worker_name}"
+
+
+#: job.meta keys kvrq writes: the first enqueue time (an agent's order survives re-queues) and the
+#: crash re-runs used and allowed (a per-job budget; the worker's setting when absent).
+FIRST_ENQUEUED_META_KEY = "kvrq_first_enqueued_at"
+CRASHES_META_KEY = "kvrq_crashes"
+CRASH_BUDGET_META_KEY = "kvrq_crash_reruns"

@@ -1,8 +1,8 @@
 """Agent ids: checked once at the store's edge, and never used as a path or key verbatim.
 
-An id is at most 200 characters from a conservative set; on disk and in Redis it is
-only ever represented by a hash of it, so ids like `../../etc/passwd` (rejected anyway)
-or ones that differ only in case cannot escape the store or collide on a
+An id is at most 200 characters from a conservative set (the rule producers validate with too);
+on disk and in Redis it is only ever represented by a hash of it, so ids like `../../etc/passwd`
+(rejected anyway) or ones that differ only in case cannot escape the store or collide on a
 case-insensitive filesystem.
 """
 
@@ -11,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import re
 
+#: The same rule as the wire's (producer/protocol.py): store may not import producer, so it keeps a
+#: copy, and tests/store/test_agent_id_rule.py fails when the two differ.
 MAX_AGENT_ID_LENGTH = 200
-_AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]*")
+AGENT_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:@+=-]*"
+_AGENT_ID = re.compile(AGENT_ID_PATTERN)
 
 
 class InvalidAgentIdError(ValueError):

@@ -10,9 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.protocol import DEFAULT_QUEUE
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
 
 
 class WorkerSettings(BaseSettings):

@@ -23,8 +23,10 @@ Output: one JSONL line per non-blank input line, in completion order, each custo
   `body.usage` has prompt_tokens, completion_tokens, total_tokens and prompt_tokens_details.cached_tokens
   (prompt tokens reused from the agent's cache). A line that produced nothing has `"response": null` and
   `"error": {"code", "message"}`; codes: invalid_json, invalid_request, unsupported_url,
-  duplicate_custom_id (the later line; custom_id null), context_length_exceeded, job_failed,
-  job_cancelled, job_lost. Lines with no usable custom_id report `"custom_id": null` and `kvrq.line`.
+  duplicate_custom_id (the later line; custom_id null), and for jobs that ran, from the ErrorCode the
+  worker recorded: invalid_request, context_length_exceeded, job_timeout, worker_crashed, job_failed
+  (engine or internal errors); then job_canceled, job_lost (vanished from Redis). Lines with no usable
+  custom_id report `"custom_id": null` and `kvrq.line`.
 
 Runs: the run id defaults to a hash of the input bytes and the queue, so running the same input again
 resumes the same run: lines already in the output are skipped, jobs a previous client enqueued (rq job
@@ -33,7 +35,7 @@ as it ends, so Ctrl-C or a crash loses nothing. At most `concurrency` jobs of th
 running at once (default: the sum of the `kvrq_capacity` the live workers of the queue advertise in
 their rq worker hash, 2 x --max-batch each; 16 when none does). `cancel_batch` cancels the queued jobs
 and stops the driving client; running the input again afterwards resumes the run. Run records live in
-Redis under `kvrq:batch:run:<id>` and expire 7 days after the run is done or cancelled.
+Redis under `kvrq:batch:run:<id>` and expire 7 days after the run is done or canceled.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 from redis import Redis
 
 from producer.batch.driver import BatchSummary, run_batch
-from producer.batch.jobs import RqJobSource
+from producer.batch.jobs import LOOKUP_CHUNK, RqJobSource, chunks
 from producer.batch.run import BatchRun, list_runs
 
 __all__ = ["BatchSummary", "RunNotFoundError", "batch_status", "cancel_batch", "list_batches", "run_batch"]
@@ -65,8 +67,8 @@ def batch_status(connection: Redis, run_id: str) -> dict[str, Any]:
     job_ids = sorted(run.job_ids())
     jobs = RqJobSource(connection, info.queue or "kvrq")
     tally: Counter[str] = Counter()
-    for start in range(0, len(job_ids), 1000):
-        tally.update(o.state for o in jobs.lookup(job_ids[start : start + 1000]).values())
+    for chunk in chunks(job_ids, LOOKUP_CHUNK):
+        tally.update(o.state for o in jobs.lookup(chunk).values())
     status["jobs_by_state"] = dict(sorted(tally.items()))
     heartbeat = status.get("heartbeat_at")
     if heartbeat:
@@ -75,19 +77,19 @@ def batch_status(connection: Redis, run_id: str) -> dict[str, Any]:
 
 
 def cancel_batch(connection: Redis, run_id: str, *, running: bool = False) -> int:
-    """Mark the run cancelled and cancel its queued jobs (running ones too with `running`).
+    """Mark the run canceled and cancel its queued jobs (running ones too with `running`).
 
-    Returns how many jobs were cancelled. A client driving the run notices and stops; running
-    `run_batch` again on the same input resumes the run and enqueues the cancelled lines afresh.
+    Returns how many jobs were canceled. A client driving the run notices and stops; running
+    `run_batch` again on the same input resumes the run and enqueues the canceled lines afresh.
     """
     run = BatchRun(connection, run_id)
     info = run.info()
     if info is None:
         raise RunNotFoundError(f"no batch run {run_id!r} in this Redis")
-    run.mark_cancelled()  # first: a driver enqueuing right now sees it and cancels its own new jobs
+    run.mark_canceled()  # first: a driver enqueuing right now sees it and cancels its own new jobs
     job_ids = sorted(run.job_ids())
     jobs = RqJobSource(connection, info.queue or "kvrq")
-    return sum(jobs.cancel(job_ids[i : i + 1000], running=running) for i in range(0, len(job_ids), 1000))
+    return sum(jobs.cancel(chunk, running=running) for chunk in chunks(job_ids, LOOKUP_CHUNK))
 
 
 def list_batches(connection: Redis, limit: int = 20) -> list[dict[str, Any]]:

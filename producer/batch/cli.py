@@ -19,9 +19,8 @@ from redis.exceptions import RedisError
 
 from producer.batch import RunNotFoundError, batch_status, cancel_batch, list_batches, run_batch
 from producer.batch.output import OutputLockedError
-from producer.protocol import DEFAULT_QUEUE
+from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -42,7 +41,7 @@ def add_batch_commands(subparsers: Any) -> argparse.ArgumentParser:
         "one OpenAI Batch output line each to OUTPUT. A line resumes an agent's KV cache with "
         '\'"kvrq": {"agent_id": "a1"}\' next to its custom_id; an agent\'s lines run in file order. '
         "Run the same command again to resume after Ctrl-C or a crash. Exit status: 0 done, "
-        "1 cancelled, 2 error, 130 interrupted.",
+        "1 canceled, 2 error, 130 interrupted.",
     )
     run.add_argument("input", help="JSONL file of OpenAI Batch API request lines")
     run.add_argument("-o", "--output", required=True, help="JSONL file the result lines are appended to")
@@ -170,7 +169,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     connection = Redis.from_url(args.redis)
     try:
-        cancelled = cancel_batch(connection, args.run_id, running=args.running)
+        canceled = cancel_batch(connection, args.run_id, running=args.running)
     except RunNotFoundError as exc:
         _err(str(exc))
         return EXIT_FAILED
@@ -179,7 +178,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     finally:
         connection.close()
-    print(f"{args.run_id}: cancelled, {cancelled} job(s) cancelled")
+    print(f"{args.run_id}: canceled, {canceled} job(s) canceled")
     return EXIT_OK
 
 

@@ -23,26 +23,23 @@ from redis import Redis
 from producer.batch.format import (
     BadLine,
     BatchRequest,
-    ErrorCode,
+    LineErrorCode,
     bad_line_output,
     error_line,
-    failure_code,
+    failed_job_code,
     parse_lines,
 )
 from producer.batch.format import success_line as format_success
-from producer.batch.jobs import JobOutcome, JobSource, RqJobSource
+from producer.batch.jobs import LOOKUP_CHUNK, JobOutcome, JobSource, RqJobSource, chunks
 from producer.batch.lanes import Lanes
 from producer.batch.output import BatchOutput
 from producer.batch.progress import Progress
 from producer.batch.run import BatchRun, RunState, derive_run_id, job_id_for, validate_run_id
-from producer.protocol import DEFAULT_QUEUE
+from producer.protocol import CAPACITY_FIELD, DEFAULT_QUEUE
 
 logger = logging.getLogger("kvrq.batch")
 
 DEFAULT_CONCURRENCY = 16
-#: The field a kvrq worker writes into its rq worker hash: how many jobs it holds at once (running or
-#: waiting for admission; worker.loop.CAPACITY_FIELD, 2 x --max-batch by default).
-WORKER_CAPACITY_FIELD = "kvrq_capacity"
 #: Results of a batch job outlive a crashed client this long, so a rerun picks them up instead of re-running.
 RESULT_TTL_S = 24 * 3600
 #: Once its line is in the output file a job is only needed by a concurrent reader: keep it this long.
@@ -59,7 +56,7 @@ class BatchSummary:
     """What one `run_batch` call did; counts cover the whole input, not only this call."""
 
     run_id: str
-    state: str  # "done" or "cancelled"
+    state: str  # "done" or "canceled"
     total: int  # non-blank input lines
     done: int  # lines with a response in the output
     failed: int  # lines with an error in the output (bad input included)
@@ -85,7 +82,7 @@ def default_concurrency(connection: Redis, queue: str) -> int:
         return DEFAULT_CONCURRENCY
     total = 0
     for worker in workers:
-        raw = connection.hget(worker.key, WORKER_CAPACITY_FIELD)
+        raw = connection.hget(worker.key, CAPACITY_FIELD)
         try:
             total += int(raw) if raw is not None else DEFAULT_CONCURRENCY
         except ValueError:
@@ -192,7 +189,7 @@ class BatchDriver:
         self.reattached = 0
         self.invalid = sum(1 for item in items if isinstance(item, BadLine))
         self.skipped = sum(1 for item in items if item.key in output)
-        self.cancelled = False
+        self.canceled = False
         self.queued = 0
         self.running = 0
         self._last_state_at = 0.0
@@ -216,22 +213,22 @@ class BatchDriver:
             output_path=str(self.output.path),
             concurrency=self.concurrency,
         )
-        if previous == "cancelled":
-            self.log(f"batch {self.run_id}: run was cancelled; resuming it")
+        if previous == "canceled":
+            self.log(f"batch {self.run_id}: run was canceled; resuming it")
         elif previous is not None and self.skipped:
             self.log(
                 f"batch {self.run_id}: resuming, {self.skipped}/{len(self.items)} lines already in the output"
             )
         try:
             self._write_bad_lines()
-            self._reattach(previous == "cancelled")
+            self._reattach(previous == "canceled")
             self._loop()
         except BaseException:
             self.progress.close()
             with contextlib.suppress(Exception):  # Redis may be what failed; the original error matters
                 self._store_state(force=True)
             raise
-        state: RunState = "cancelled" if self.cancelled else "done"
+        state: RunState = "canceled" if self.canceled else "done"
         self._store_state(force=True, state=state)
         self.progress.close()
         return BatchSummary(
@@ -255,21 +252,21 @@ class BatchDriver:
                 self.output.append(item.key, bad_line_output(self.run_id, item))
                 self.progress.advance(False, ran=False)
 
-    def _reattach(self, was_cancelled: bool) -> None:
+    def _reattach(self, was_canceled: bool) -> None:
         """Jobs of unfinished lines that a previous client enqueued are waited for, not enqueued again."""
         pending = [
             item for item in self.items if isinstance(item, BatchRequest) and item.key not in self.output
         ]
         ids = [job_id_for(self.run_id, item.custom_id) for item in pending]
         outcomes: dict[str, JobOutcome] = {}
-        for start in range(0, len(ids), 1000):
-            outcomes.update(self.jobs.lookup(ids[start : start + 1000]))
-        dead = [job_id for job_id in ids if outcomes[job_id].state == "cancelled"]
+        for chunk in chunks(ids, LOOKUP_CHUNK):
+            outcomes.update(self.jobs.lookup(chunk))
+        dead = [job_id for job_id in ids if outcomes[job_id].state == "canceled"]
         if dead:
-            # Cancelled by `kvrq batch cancel` (or by hand): resuming the run means running them after all.
+            # Canceled by `kvrq batch cancel` (or by hand): resuming the run means running them after all.
             self.jobs.discard(dead)
-            if not was_cancelled:
-                self.log(f"batch {self.run_id}: {len(dead)} cancelled job(s) will be enqueued again")
+            if not was_canceled:
+                self.log(f"batch {self.run_id}: {len(dead)} canceled job(s) will be enqueued again")
         for item, job_id in zip(pending, ids, strict=True):
             if outcomes[job_id].state in ("queued", "running", "finished", "failed"):
                 self.in_flight[job_id] = item
@@ -288,14 +285,14 @@ class BatchDriver:
                 return
             outcomes = self.jobs.lookup(list(self.in_flight))
             if (
-                any(o.state == "cancelled" for o in outcomes.values())
-                and self.run_record.state() == "cancelled"
+                any(o.state == "canceled" for o in outcomes.values())
+                and self.run_record.state() == "canceled"
             ):
-                self._stop_cancelled()
+                self._stop_canceled()
                 return
             ended = self._collect(outcomes)
-            if self._store_state() == "cancelled":
-                self._stop_cancelled()
+            if self._store_state() == "canceled":
+                self._stop_canceled()
                 return
             self.progress.tick()
             if not ended and self.in_flight:
@@ -337,9 +334,9 @@ class BatchDriver:
                 self.progress.advance(True, int(usage.get("generated_tokens", 0)))
             elif outcome.state == "failed":
                 message = outcome.error or "the job failed"
-                self._write_error(item, job_id, failure_code(message), message)
-            elif outcome.state == "cancelled":
-                self._write_error(item, job_id, "job_cancelled", "the job was cancelled")
+                self._write_error(item, job_id, failed_job_code(outcome.code), message)
+            elif outcome.state == "canceled":
+                self._write_error(item, job_id, "job_canceled", "the job was canceled")
             elif outcome.state == "missing":
                 self._resubmit_or_give_up(item, job_id)
                 continue
@@ -353,7 +350,7 @@ class BatchDriver:
         self.progress.set_in_flight(self.queued, self.running)
         return len(ended)
 
-    def _write_error(self, item: BatchRequest, job_id: str, code: ErrorCode, message: str) -> None:
+    def _write_error(self, item: BatchRequest, job_id: str, code: LineErrorCode, message: str) -> None:
         self.output.append(
             item.key, error_line(self.run_id, item.line, item.custom_id, code, message, job_id, item.agent_id)
         )
@@ -369,11 +366,11 @@ class BatchDriver:
         self.log(f"batch {self.run_id}: job {job_id} vanished from Redis; enqueuing it again")
         self.jobs.submit([(job_id, self._request(item))])
 
-    def _stop_cancelled(self) -> None:
+    def _stop_canceled(self) -> None:
         """`kvrq batch cancel` ran: cancel what this client enqueued since, keep what already ended."""
-        self.cancelled = True
-        cancelled = self.jobs.cancel(list(self.in_flight))
-        self.log(f"batch {self.run_id}: cancelled ({cancelled} more queued job(s) cancelled by this client)")
+        self.canceled = True
+        canceled = self.jobs.cancel(list(self.in_flight))
+        self.log(f"batch {self.run_id}: canceled ({canceled} more queued job(s) canceled by this client)")
 
     def _store_state(self, force: bool = False, state: RunState | None = None) -> str | None:
         """Write counts to the run record every STATE_EVERY_S; returns the state it had (the cancel check)."""

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from producer.models import GenerationRequest
+from producer.protocol import ErrorCode
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -49,16 +50,26 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
-ErrorCode = Literal[
+#: `error.code` of an output line (ours: OpenAI's Batch output leaves the code to the endpoint's errors).
+LineErrorCode = Literal[
     "invalid_json",
     "invalid_request",
     "unsupported_url",
     "duplicate_custom_id",
     "context_length_exceeded",
+    "job_timeout",
+    "worker_crashed",
     "job_failed",
-    "job_cancelled",
+    "job_canceled",
     "job_lost",
 ]
+#: A failed job's line code, from the ErrorCode the worker recorded (protocol.py); others: job_failed.
+_LINE_CODE_OF_JOB_ERROR: dict[str, LineErrorCode] = {
+    ErrorCode.INVALID_REQUEST: "invalid_request",
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: "context_length_exceeded",
+    ErrorCode.TIMEOUT: "job_timeout",
+    ErrorCode.WORKER_CRASHED: "worker_crashed",
+}
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ class BadLine:
 
     line: int
     custom_id: str | None  # None when the line has no usable (or a duplicate) custom_id
-    code: ErrorCode
+    code: LineErrorCode
     message: str
 
     @property
@@ -97,9 +108,9 @@ ParsedLine = BatchRequest | BadLine
 class LineError(ValueError):
     """Why one line was rejected; carries the OpenAI-style error code."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: LineErrorCode, message: str) -> None:
         super().__init__(message)
-        self.code: ErrorCode = code
+        self.code: LineErrorCode = code
         self.message = message
 
 
@@ -408,7 +419,7 @@ def error_line(
     run_id: str,
     line: int,
     custom_id: str | None,
-    code: ErrorCode,
+    code: LineErrorCode,
     message: str,
     job_id: str | None = None,
     agent_id: str | None = None,
@@ -427,9 +438,6 @@ def bad_line_output(run_id: str, bad: BadLine) -> dict:
     return error_line(run_id, bad.line, bad.custom_id, bad.code, bad.message)
 
 
-def failure_code(message: str) -> ErrorCode:
-    """Classify a failed job's error text from the worker (its exception name and message)."""
-    lowered = message.lower()
-    if "requesttoolarge" in lowered or "exceeds the model context" in lowered or "context length" in lowered:
-        return "context_length_exceeded"
-    return "job_failed"
+def failed_job_code(code: str | None) -> LineErrorCode:
+    """The output line's code for a failed job, from the job's ErrorCode (never from its error text)."""
+    return _LINE_CODE_OF_JOB_ERROR.get(code or ErrorCode.INTERNAL, "job_failed")

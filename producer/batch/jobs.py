@@ -6,7 +6,7 @@ drive the whole resume and ordering logic with a fake source, and keeps rq detai
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -16,10 +16,10 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import resolve_serializer
 
-from producer.client import Producer, failure_reason
-from producer.protocol import SERIALIZER, cancel_key
+from producer.client import Producer, job_failure
+from producer.protocol import SERIALIZER, ErrorCode, cancel_key
 
-JobState = Literal["queued", "running", "finished", "failed", "cancelled", "missing"]
+JobState = Literal["queued", "running", "finished", "failed", "canceled", "missing"]
 
 _STATE_OF_STATUS: dict[str, JobState] = {
     JobStatus.CREATED.value: "queued",
@@ -29,18 +29,30 @@ _STATE_OF_STATUS: dict[str, JobState] = {
     JobStatus.STARTED.value: "running",
     JobStatus.FINISHED.value: "finished",
     JobStatus.FAILED.value: "failed",
-    JobStatus.CANCELED.value: "cancelled",
-    JobStatus.STOPPED.value: "cancelled",
+    JobStatus.CANCELED.value: "canceled",
+    JobStatus.STOPPED.value: "canceled",
 }
 
 
 @dataclass(frozen=True)
 class JobOutcome:
-    """A job's state; `result` is set when finished, `error` (one line) when failed."""
+    """A job's state; `result` is set when finished, `error` (one line) and `code` (an ErrorCode value,
+    protocol.py) when failed."""
 
     state: JobState
     result: Mapping[str, Any] | None = None
     error: str | None = None
+    code: str | None = None
+
+
+#: Job ids looked up (or canceled) per call: keeps one pipeline's reply small for runs of any size.
+LOOKUP_CHUNK = 1000
+
+
+def chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+    """`items` in consecutive slices of at most `size`."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 class JobSource(Protocol):
@@ -59,7 +71,7 @@ class JobSource(Protocol):
         """Cancel the jobs still waiting in the queue (and running ones if asked); returns how many."""
 
     def discard(self, job_ids: Sequence[str]) -> None:
-        """Delete ended jobs so their ids can be enqueued afresh (a cancelled run that is resumed)."""
+        """Delete ended jobs so their ids can be enqueued afresh (a canceled run that is resumed)."""
 
     def retire(self, job_ids: Sequence[str], ttl_s: int) -> None:
         """The jobs' lines are in the output: keep them only `ttl_s` more seconds."""
@@ -98,16 +110,19 @@ class RqJobSource:
         return outcomes
 
     def _ended(self, job_id: str, state: JobState) -> JobOutcome:
-        latest = Result.fetch_latest(Job(job_id, connection=self.connection), serializer=self._serializer)
         if state == "finished":
+            latest = Result.fetch_latest(Job(job_id, connection=self.connection), serializer=self._serializer)
             if (
                 latest is None
                 or latest.type != Result.Type.SUCCESSFUL
                 or not isinstance(latest.return_value, dict)
             ):
-                return JobOutcome("failed", error="the job finished, but its result has expired")
+                return JobOutcome(
+                    "failed", error="the job finished, but its result has expired", code=ErrorCode.INTERNAL
+                )
             return JobOutcome("finished", result=latest.return_value)
-        return JobOutcome("failed", error=failure_reason(latest.exc_string if latest is not None else None))
+        code, reason, _ = job_failure(self.connection, job_id)
+        return JobOutcome("failed", error=reason, code=code)
 
     def wait(self, job_ids: Sequence[str], timeout_s: float) -> None:
         """XREAD on the jobs' rq result streams: wakes the moment a worker writes any of their results."""
@@ -122,15 +137,15 @@ class RqJobSource:
                 self._stream_pos[job_id] = entries[-1][0]
 
     def cancel(self, job_ids: Sequence[str], *, running: bool = False) -> int:
-        cancelled = 0
+        canceled = 0
         for job_id, outcome in self.lookup(job_ids).items():
             if outcome.state == "queued" or (running and outcome.state == "running"):
                 try:
                     if self.producer.handle(job_id).cancel():
-                        cancelled += 1
+                        canceled += 1
                 except LookupError:
                     continue  # gone meanwhile
-        return cancelled
+        return canceled
 
     def retire(self, job_ids: Sequence[str], ttl_s: int) -> None:
         pipe = self.connection.pipeline(transaction=False)

@@ -1,12 +1,13 @@
 """A batch run as a named object in Redis: its state, its counts and the ids of its rq jobs.
 
 The run record lets `kvrq batch status` and `kvrq batch cancel` work from any machine, while the client
-driving the run is alive or after it died. Keys (prefix `kvrq:batch:`):
-- `kvrq:batch:run:<run_id>`: hash with state (submitting | running | done | cancelled), counts (total,
+driving the run is alive or after it died. Keys (built in producer/protocol.py):
+- `kvrq:batch:run:<run_id>`: hash with state (submitting | running | done | canceled), counts (total,
   queued, running, done, failed, invalid), queue, input/output paths, timestamps, the driving client.
 - `kvrq:batch:run:<run_id>:jobs`: set of the rq job ids the run enqueued.
 - `kvrq:batch:runs`: sorted set of run ids by creation time.
-Records of finished or cancelled runs expire after RUN_TTL_S.
+Records of finished or canceled runs expire after RUN_TTL_S. Records written before kvrq spelled it
+"canceled" say "cancelled": reads accept both.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from redis import Redis
 from redis.exceptions import WatchError
 from redis.typing import EncodableT, FieldT
 
-RunState = Literal["submitting", "running", "done", "cancelled"]
-STATES: tuple[RunState, ...] = ("submitting", "running", "done", "cancelled")
+from producer.protocol import BATCH_RUNS_KEY, batch_jobs_key, batch_run_key
+
+RunState = Literal["submitting", "running", "done", "canceled"]
 COUNT_FIELDS = ("total", "queued", "running", "done", "failed", "invalid")
-RUN_PREFIX = "kvrq:batch:run:"
-RUN_INDEX = "kvrq:batch:runs"
 RUN_TTL_S = 7 * 24 * 3600
 INDEX_TTL_S = 30 * 24 * 3600  # `kvrq batch status` lists runs started within this window
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -60,14 +60,6 @@ def job_id_for(run_id: str, custom_id: str) -> str:
     return f"{run_id}_x_{hashlib.sha256(custom_id.encode()).hexdigest()[:32]}"
 
 
-def run_key(run_id: str) -> str:
-    return RUN_PREFIX + run_id
-
-
-def jobs_key(run_id: str) -> str:
-    return RUN_PREFIX + run_id + ":jobs"
-
-
 @dataclass
 class RunInfo:
     """What `kvrq batch status` shows: the stored record of a run."""
@@ -88,8 +80,8 @@ class BatchRun:
     def __init__(self, connection: Redis, run_id: str) -> None:
         self.connection = connection
         self.run_id = validate_run_id(run_id)
-        self.key = run_key(run_id)
-        self.jobs_key = jobs_key(run_id)
+        self.key = batch_run_key(run_id)
+        self.jobs_key = batch_jobs_key(run_id)
 
     def exists(self) -> bool:
         return bool(self.connection.exists(self.key))
@@ -119,10 +111,10 @@ class BatchRun:
         )
         pipe.persist(self.key)
         pipe.persist(self.jobs_key)
-        pipe.zadd(RUN_INDEX, {self.run_id: time.time()}, nx=True)
-        pipe.zremrangebyscore(RUN_INDEX, "-inf", time.time() - INDEX_TTL_S)  # keep the index from growing
+        pipe.zadd(BATCH_RUNS_KEY, {self.run_id: time.time()}, nx=True)
+        pipe.zremrangebyscore(BATCH_RUNS_KEY, "-inf", time.time() - INDEX_TTL_S)  # keeps the index small
         pipe.execute()
-        return _text(previous) if previous is not None else None
+        return _state(previous)
 
     def add_jobs(self, job_ids: Iterable[str]) -> None:
         """Record job ids before they are enqueued, so the run always knows every job it may own."""
@@ -136,21 +128,20 @@ class BatchRun:
     def update(self, *, state: RunState | None = None, **counts: int) -> str | None:
         """Store counts and state, beat the client's heartbeat; returns the state stored before.
 
-        A cancelled run stays cancelled (only "done" replaces it): `kvrq batch cancel` may land between
+        A canceled run stays canceled (only "done" replaces it): `kvrq batch cancel` may land between
         the driver's read and its write, so the check and the write are one transaction.
         """
         with self.connection.pipeline() as pipe:
             while True:
                 try:
                     pipe.watch(self.key)
-                    raw = pipe.hget(self.key, "state")
-                    before = _text(raw) if raw is not None else None
+                    before = _state(pipe.hget(self.key, "state"))
                     now = repr(time.time())
                     mapping: dict[FieldT, EncodableT] = {"updated_at": now, "heartbeat_at": now}
                     mapping.update(counts)
-                    if state is not None and not (before == "cancelled" and state != "done"):
+                    if state is not None and not (before == "canceled" and state != "done"):
                         mapping["state"] = state
-                    final = mapping.get("state", before) in ("done", "cancelled")
+                    final = mapping.get("state", before) in ("done", "canceled")
                     pipe.multi()
                     pipe.hset(self.key, mapping=mapping)
                     if final:
@@ -162,12 +153,11 @@ class BatchRun:
                     continue
 
     def state(self) -> str | None:
-        value = self.connection.hget(self.key, "state")
-        return _text(value) if value is not None else None
+        return _state(self.connection.hget(self.key, "state"))
 
-    def mark_cancelled(self) -> None:
-        self.connection.hset(self.key, "cancelled_at", repr(time.time()))
-        self.update(state="cancelled")
+    def mark_canceled(self) -> None:
+        self.connection.hset(self.key, "canceled_at", repr(time.time()))
+        self.update(state="canceled")
 
     def info(self) -> RunInfo | None:
         raw = self.connection.hgetall(self.key)
@@ -175,7 +165,7 @@ class BatchRun:
             return None
         data = {_text(k): _text(v) for k, v in raw.items()}
         counts = {name: int(data.pop(name, "0") or 0) for name in COUNT_FIELDS}
-        state = data.pop("state", "unknown")
+        state = _state(data.pop("state", None)) or "unknown"
         queue = data.pop("queue", "")
         data.pop("run_id", None)
         data["jobs"] = str(self.connection.scard(self.jobs_key))
@@ -186,7 +176,7 @@ def list_runs(connection: Redis, limit: int = 20) -> list[RunInfo]:
     """The most recent runs still recorded, newest first."""
     infos: list[RunInfo] = []
     stale: list[str] = []
-    for raw in connection.zrevrange(RUN_INDEX, 0, limit * 2 - 1):
+    for raw in connection.zrevrange(BATCH_RUNS_KEY, 0, limit * 2 - 1):
         run_id = _text(raw)
         info = BatchRun(connection, run_id).info()
         if info is None:
@@ -194,19 +184,16 @@ def list_runs(connection: Redis, limit: int = 20) -> list[RunInfo]:
         elif len(infos) < limit:
             infos.append(info)
     if stale:
-        connection.zrem(RUN_INDEX, *stale)
+        connection.zrem(BATCH_RUNS_KEY, *stale)
     return infos
 
 
-def chunks(items: Iterable[str], size: int) -> Iterable[list[str]]:
-    batch: list[str] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def _state(raw: Any) -> str | None:
+    """A stored run state; "cancelled" (records from before kvrq spelled it rq's way) reads as "canceled"."""
+    if raw is None:
+        return None
+    state = _text(raw)
+    return "canceled" if state == "cancelled" else state
 
 
 def _text(value: Any) -> str:

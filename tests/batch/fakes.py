@@ -41,6 +41,7 @@ class FakeJob:
     state: str = "queued"
     result: dict[str, Any] | None = None
     error: str | None = None
+    code: str | None = None
 
 
 @dataclass
@@ -53,7 +54,8 @@ class FakeJobs:
 
     per_wait: int = 3
     limit: int | None = None
-    fail_when: Callable[[Mapping[str, Any]], str | None] = lambda request: None
+    #: (ErrorCode value, message) for a request that fails, None for one that finishes.
+    fail_when: Callable[[Mapping[str, Any]], tuple[str, str] | None] = lambda request: None
     on_wait: Callable[[FakeJobs], None] | None = None
     jobs: dict[str, FakeJob] = field(default_factory=dict)
     submitted: list[str] = field(default_factory=list)
@@ -89,15 +91,16 @@ class FakeJobs:
             if job is None:
                 out[job_id] = JobOutcome("missing")
             else:
-                out[job_id] = JobOutcome(job.state, job.result, job.error)  # type: ignore[arg-type]
+                out[job_id] = JobOutcome(job.state, job.result, job.error, job.code)  # type: ignore[arg-type]
         return out
 
     def run_some(self, count: int) -> None:
         for job_id in [j for j in self.jobs if self.jobs[j].state == "queued"][:count]:
             job = self.jobs[job_id]
-            reason = self.fail_when(job.request)
-            if reason is not None:
-                job.state, job.error = "failed", reason
+            failure = self.fail_when(job.request)
+            if failure is not None:
+                job.state = "failed"
+                job.code, job.error = failure
             else:
                 agent = job.request.get("agent_id")
                 turn = self.turns.get(agent, 0) if agent else 0
@@ -116,7 +119,7 @@ class FakeJobs:
         for job_id in job_ids:
             job = self.jobs.get(job_id)
             if job is not None and job.state == "queued":
-                job.state = "cancelled"
+                job.state = "canceled"
                 count += 1
         return count
 

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from producer.batch import batch_status, cancel_batch, run_batch
+from producer.batch.jobs import JobOutcome, RqJobSource
 from producer.batch.run import BatchRun, derive_run_id
+from producer.protocol import ErrorCode
 from tests.batch.fakes import FakeJobs, RqFakeWorkerSource, read_output
-from tests.producer.fakes import fake_redis
+from tests.producer.fakes import fail_like_rq, fake_redis
 
 
 def line(custom_id: str, agent: str | None = None, text: str = "hello", **body: Any) -> str:
@@ -105,12 +107,9 @@ def test_rerun_after_a_crash_resumes_without_duplicates(tmp_path: Path) -> None:
 def test_failed_jobs_become_error_lines_and_the_run_goes_on(tmp_path: Path) -> None:
     rows = [line("ok-1"), line("huge", text="x" * 50), line("ok-2")]
     (tmp_path / "in.jsonl").write_text("\n".join(rows))
-    too_long = (
-        "InvalidRequestError: prompt (9000 tokens) + max_tokens (4) exceeds the model context of 8192 tokens"
-    )
-    jobs = FakeJobs(
-        fail_when=lambda request: too_long if "xxxx" in request["messages"][0]["content"] else None
-    )
+    too_long = "prompt (9000 tokens) + max_tokens (4) exceeds the model context of 8192 tokens"
+    failure = (ErrorCode.CONTEXT_LENGTH_EXCEEDED, too_long)
+    jobs = FakeJobs(fail_when=lambda req: failure if "xxxx" in req["messages"][0]["content"] else None)
     summary = run(tmp_path, jobs, fake_redis())
     records = {r["custom_id"]: r for r in read_output(tmp_path / "out.jsonl")}
     assert summary.done == 2 and summary.failed == 1
@@ -155,14 +154,14 @@ def test_cancel_stops_the_client_and_a_rerun_finishes_the_run(tmp_path: Path) ->
 
     def cancel_on_second_wait(source: FakeJobs) -> None:
         if len(source.finished_order) >= 3:
-            BatchRun(connection, run_id).mark_cancelled()
+            BatchRun(connection, run_id).mark_canceled()
             source.cancel(source.unfinished())
 
     jobs = FakeJobs(per_wait=3, on_wait=cancel_on_second_wait)
     summary = run(tmp_path, jobs, connection)
-    assert summary.state == "cancelled"
+    assert summary.state == "canceled"
     assert 0 < len(read_output(tmp_path / "out.jsonl")) < 13
-    assert BatchRun(connection, run_id).state() == "cancelled"
+    assert BatchRun(connection, run_id).state() == "canceled"
     jobs.on_wait = None
     again = run(tmp_path, jobs, connection)
     records = read_output(tmp_path / "out.jsonl")
@@ -201,8 +200,8 @@ def test_rq_backed_source_end_to_end_with_status_and_cancel(tmp_path: Path) -> N
     assert batch_status(connection, run_id)["jobs_by_state"] == {"queued": 3}
     assert cancel_batch(connection, run_id) == 3
     status = batch_status(connection, run_id)
-    assert status["state"] == "cancelled" and status["jobs_by_state"] == {"cancelled": 3}
-    # resuming the cancelled run enqueues the lines afresh (the cancel flags must not cancel them again)
+    assert status["state"] == "canceled" and status["jobs_by_state"] == {"canceled": 3}
+    # resuming the canceled run enqueues the lines afresh (the cancel flags must not cancel them again)
     resumed = run_batch(
         tmp_path / "in2.jsonl",
         tmp_path / "out2.jsonl",
@@ -213,3 +212,17 @@ def test_rq_backed_source_end_to_end_with_status_and_cancel(tmp_path: Path) -> N
     )
     assert resumed.state == "done" and resumed.done == 3 and resumed.submitted == 3
     assert not [k for k in connection.scan_iter("kvrq:cancel:*")]
+
+
+def test_rq_source_reads_each_failed_jobs_code_not_its_text() -> None:
+    connection = fake_redis()
+    source = RqJobSource(connection, "kvrq")
+    source.submit([("j-big", {"prompt": "a"}), ("j-crash", {"prompt": "b"}), ("j-odd", {"prompt": "c"})])
+    too_big = {"code": ErrorCode.CONTEXT_LENGTH_EXCEEDED, "message": "prompt + max_tokens exceed 8192 tokens"}
+    fail_like_rq(connection, "j-big", "Traceback ...\nRuntimeError: says nothing about context", too_big)
+    fail_like_rq(connection, "j-crash", "Moved to FailedJobRegistry, due to AbandonedJobError, at now")
+    fail_like_rq(connection, "j-odd", "Traceback ...\nInvalidRequestError: text that is not a code")
+    outcomes = source.lookup(["j-big", "j-crash", "j-odd"])
+    assert outcomes["j-big"] == JobOutcome("failed", error=too_big["message"], code=too_big["code"])
+    assert outcomes["j-crash"].code == ErrorCode.WORKER_CRASHED
+    assert outcomes["j-odd"].code == ErrorCode.INTERNAL  # no kvrq meta: the exception's name decides nothing

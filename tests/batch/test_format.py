@@ -11,12 +11,13 @@ from producer.batch.format import (
     BadLine,
     BatchRequest,
     error_line,
-    failure_code,
+    failed_job_code,
     key_of_output,
     parse_line,
     parse_lines,
     success_line,
 )
+from producer.protocol import ErrorCode
 
 
 def chat_line(custom_id: str = "r1", **body: Any) -> dict[str, Any]:
@@ -202,10 +203,10 @@ def test_error_lines_are_keyed_by_custom_id_or_by_line_number() -> None:
     assert key_of_output({"foo": 1}) is None
 
 
-def test_failure_code_recognises_context_overflow() -> None:
-    message = (
-        "InvalidRequestError: prompt (9000 tokens) + max_tokens (8) exceeds the model context of 8192 tokens"
-    )
-    assert failure_code(message) == "context_length_exceeded"
-    assert failure_code("RequestTooLargeError: needs 40 blocks, pool holds 32") == "context_length_exceeded"
-    assert failure_code("RuntimeError: boom") == "job_failed"
+def test_a_failed_jobs_line_code_follows_its_error_code() -> None:
+    assert failed_job_code(ErrorCode.CONTEXT_LENGTH_EXCEEDED) == "context_length_exceeded"
+    assert failed_job_code(ErrorCode.INVALID_REQUEST) == "invalid_request"
+    assert failed_job_code(ErrorCode.TIMEOUT) == "job_timeout"
+    assert failed_job_code(ErrorCode.WORKER_CRASHED) == "worker_crashed"
+    for code in (ErrorCode.ENGINE_ERROR, ErrorCode.INTERNAL, None, "a-code-from-a-newer-worker"):
+        assert failed_job_code(code) == "job_failed"

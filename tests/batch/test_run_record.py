@@ -6,6 +6,7 @@ import pytest
 from rq.job import JOB_ID_PATTERN
 
 from producer.batch.run import BatchRun, derive_run_id, job_id_for, list_runs, validate_run_id
+from producer.protocol import batch_jobs_key, batch_run_key
 from tests.producer.fakes import fake_redis
 
 
@@ -42,11 +43,28 @@ def test_record_counts_state_and_listing() -> None:
     assert connection.ttl(run.key) == -1  # a rerun keeps it again
 
 
-def test_a_cancelled_run_is_not_revived_by_a_late_counts_update() -> None:
+def test_a_canceled_run_is_not_revived_by_a_late_counts_update() -> None:
     run = BatchRun(fake_redis(), "run-2")
     run.start(queue="q", total=1, input_path="in", output_path="out", concurrency=1)
-    run.mark_cancelled()
-    assert run.update(state="submitting", done=0) == "cancelled"
-    assert run.state() == "cancelled"
+    run.mark_canceled()
+    assert run.update(state="submitting", done=0) == "canceled"
+    assert run.state() == "canceled"
     run.update(state="done")
     assert run.state() == "done"
+
+
+def test_records_written_with_the_old_cancelled_spelling_read_as_canceled() -> None:
+    connection = fake_redis()
+    run = BatchRun(connection, "run-3")
+    run.start(queue="q", total=1, input_path="in", output_path="out", concurrency=1)
+    connection.hset(run.key, "state", "cancelled")  # what kvrq wrote before it used rq's spelling
+    info = run.info()
+    assert run.state() == "canceled" and info is not None and info.state == "canceled"
+    assert run.update(state="running") == "canceled" and run.state() == "canceled"  # still not revived
+    assert run.start(queue="q", total=1, input_path="in", output_path="out", concurrency=1) == "canceled"
+
+
+def test_run_keys_follow_the_protocol() -> None:
+    run = BatchRun(fake_redis(), "run-4")
+    assert (run.key, run.jobs_key) == (batch_run_key("run-4"), batch_jobs_key("run-4"))
+    assert run.key == "kvrq:batch:run:run-4" and run.jobs_key == "kvrq:batch:run:run-4:jobs"

@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 import fakeredis
+from redis import Redis
 
 
 def fake_redis(server: fakeredis.FakeServer | None = None) -> fakeredis.FakeRedis:
     connection = fakeredis.FakeRedis(server=server or fakeredis.FakeServer())
     setattr(connection, "__rq_redis_server_version", (7, 0, 0))  # noqa: B010 - rq caches it under this name
     return connection
+
+
+def fail_like_rq(
+    connection: Redis, job_id: str, exc_string: str, error: dict[str, str] | None = None
+) -> None:
+    """Mark a queued job failed the way rq records it; `error` goes to job.meta as a kvrq worker writes it."""
+    from rq.job import Job, JobStatus
+    from rq.results import Result
+
+    from producer.protocol import ERROR_META_KEY
+
+    job = Job.fetch(job_id, connection=connection, serializer="json")
+    if error is not None:
+        job.meta[ERROR_META_KEY] = error
+        job.save_meta()
+    with connection.pipeline() as pipe:
+        job.set_status(JobStatus.FAILED, pipeline=pipe)
+        Result.create_failure(job, ttl=500, exc_string=exc_string, pipeline=pipe)
+        pipe.execute()

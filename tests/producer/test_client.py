@@ -17,11 +17,18 @@ from producer.client import (
     JobNotFoundError,
     Producer,
     ResultTimeoutError,
-    failure_reason,
 )
 from producer.models import GenerationRequest
-from producer.protocol import JOB_FUNCTION, StreamEvent, stream_key
-from tests.producer.fakes import fake_redis
+from producer.protocol import (
+    ERROR_META_KEY,
+    JOB_FUNCTION,
+    ErrorCode,
+    StreamEvent,
+    failure_of,
+    last_line,
+    stream_key,
+)
+from tests.producer.fakes import fail_like_rq, fake_redis
 
 
 @pytest.fixture
@@ -160,8 +167,47 @@ def test_stream_raises_the_workers_reason(producer: Producer) -> None:
         next(stream)
 
 
-def test_failure_reason_is_the_last_line() -> None:
-    assert (
-        failure_reason("Traceback (most recent call last):\n  File x\nValueError: bad\n") == "ValueError: bad"
-    )
-    assert failure_reason(None) == "no reason recorded"
+def test_last_line_of_an_exc_string() -> None:
+    assert last_line("Traceback (most recent call last):\n  File x\nValueError: bad\n") == "ValueError: bad"
+    assert last_line(None) == "no reason recorded"
+
+
+def test_a_failed_job_carries_the_code_the_worker_recorded(producer: Producer) -> None:
+    handle = producer.submit({"prompt": "a"})
+    error = {"code": ErrorCode.INVALID_REQUEST, "message": "prompt is empty"}
+    fail_like_rq(producer.connection, handle.id, "Traceback ...\nJobRejected: prompt is empty", error)
+    with pytest.raises(JobFailedError) as failed:
+        handle.result(timeout=1)
+    assert failed.value.code == ErrorCode.INVALID_REQUEST and failed.value.reason == "prompt is empty"
+    assert "JobRejected" in failed.value.details  # rq's traceback stays available
+
+
+def test_rq_abandoned_jobs_read_as_worker_crashed_others_as_internal(producer: Producer) -> None:
+    abandoned, other = producer.submit({"prompt": "a"}), producer.submit({"prompt": "b"})
+    rq_text = "Moved to FailedJobRegistry, due to AbandonedJobError, at x"
+    fail_like_rq(producer.connection, abandoned.id, rq_text)
+    fail_like_rq(producer.connection, other.id, "Traceback ...\nRuntimeError: boom")
+    with pytest.raises(JobFailedError) as crashed:
+        abandoned.result(timeout=1)
+    assert crashed.value.code == ErrorCode.WORKER_CRASHED and "worker died" in crashed.value.reason
+    with pytest.raises(JobFailedError) as unknown:
+        other.result(timeout=1)
+    assert unknown.value.code == ErrorCode.INTERNAL and unknown.value.reason == "RuntimeError: boom"
+
+
+def test_the_kvrq_meta_wins_over_rq_text_and_a_malformed_meta_is_ignored() -> None:
+    meta = {ERROR_META_KEY: {"code": ErrorCode.TIMEOUT, "message": "ran past 30 s"}}
+    assert failure_of(meta, "AbandonedJobError") == (ErrorCode.TIMEOUT, "ran past 30 s")
+    assert failure_of({ERROR_META_KEY: "oops"}, "ValueError: x") == (ErrorCode.INTERNAL, "ValueError: x")
+    no_message = {ERROR_META_KEY: {"code": ErrorCode.ENGINE_ERROR}}
+    assert failure_of(no_message, "E: y") == (ErrorCode.ENGINE_ERROR, "E: y")
+
+
+def test_a_failed_stream_raises_with_the_jobs_code(producer: Producer) -> None:
+    handle = producer.submit({"prompt": "a"})
+    producer.connection.xadd(stream_key(handle.id), StreamEvent("error", error="kaboom").to_fields())  # type: ignore[arg-type]
+    error = {"code": ErrorCode.ENGINE_ERROR, "message": "kaboom"}
+    fail_like_rq(producer.connection, handle.id, "E: kaboom", error)
+    with pytest.raises(JobFailedError) as failed:
+        list(handle.stream(timeout=2))
+    assert failed.value.code == ErrorCode.ENGINE_ERROR

@@ -15,13 +15,13 @@ def test_prompt_xor_messages() -> None:
     assert GenerationRequest(messages=[{"role": "user", "content": "hi"}]).messages is not None
 
 
-@pytest.mark.parametrize("agent_id", ["", "../etc", "a/b", "a b", "x" * 129, "-lead", "ağ"])
+@pytest.mark.parametrize("agent_id", ["", "../etc", "a/b", "a b", "x" * 201, "-lead", "ağ"])
 def test_agent_id_is_a_safe_name(agent_id: str) -> None:
     with pytest.raises(ValidationError, match="agent_id"):
         GenerationRequest(agent_id=agent_id, prompt="hi")
 
 
-@pytest.mark.parametrize("agent_id", ["a", "agent-1", "team.alpha_2", "A" * 128])
+@pytest.mark.parametrize("agent_id", ["a", "agent-1", "team.alpha_2", "user:42:agent", "A" * 200])
 def test_agent_id_accepts_ordinary_names(agent_id: str) -> None:
     assert GenerationRequest(agent_id=agent_id, prompt="hi").agent_id == agent_id
 

@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from producer.protocol import DEFAULT_QUEUE
-from worker.settings import DEFAULT_REDIS_URL, WorkerSettings
+from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
+from worker.settings import WorkerSettings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
