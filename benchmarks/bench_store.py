@@ -29,7 +29,7 @@ from engine.fastpath import ensure_fast_blas  # noqa: E402
 from engine.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "store.json"
-FLOOR_SPEEDUP = {512: 27, 1024: 59, 2048: 124}  # raw mlx-lm warm resume, PLATFORM-NOTES.md
+FLOOR_SPEEDUP = {512: 27, 1024: 59, 2048: 124}  # raw mlx-lm warm resume, docs/platform.md
 GB = 1e9
 
 
@@ -262,7 +262,7 @@ def first_token_direct(model: Any, layers: list[Any], tokens: list[int], step: i
 
 
 def bench_resume_direct(engine: Any, contexts: list[int], repeat: int, root: Path) -> list[dict]:
-    """The floor's own method (PLATFORM-NOTES: load_prompt_cache + one step), with the store:
+    """The floor's own method (docs/platform.md: load_prompt_cache + one step), with the store:
     cold = prefill of the whole context as mlx-lm's generate does it (512-token steps) to the first token;
     warm = store get (disk: read, CRC, decode) + rebuild mlx-lm KVCaches + one forward step."""
     from mlx_lm.models.cache import make_prompt_cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -11,16 +12,49 @@ from pathlib import Path
 
 import pytest
 
+REAL_MODEL_FIXTURES = frozenset({"smollm2"})
+REDIS_SERVER_HINT = "apt-get install redis-server; macOS: brew install redis"
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Rerun pytest with OpenBLAS preloaded on Linux (10x faster model tests), once, before any test."""
     from engine.fastpath import blas_preload_env, ensure_fast_blas
 
-    if blas_preload_env().get("LD_PRELOAD") != __import__("os").environ.get("LD_PRELOAD"):
+    if blas_preload_env().get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:
             capture.stop_global_capturing()
         ensure_fast_blas()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`-m "not slow"` must never load the real model: a test asking for it unmarked is an error."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("slow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests load the real model but are not marked slow: " + ", ".join(unmarked)
+        )
+
+
+def in_ci() -> bool:
+    """CI sets CI=true and runs .ci/setup first: a tool missing there is a broken setup, not a skip."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_binary(name: str, install_hint: str) -> str:
+    """The path of an external program the test needs: skipped locally when missing, failed under CI."""
+    path = shutil.which(name)
+    if path is not None:
+        return path
+    message = f"no {name} on PATH ({install_hint})"
+    if in_ci():
+        pytest.fail(f"{message}; CI runs .ci/setup, which installs it", pytrace=False)
+    pytest.skip(message)
 
 
 def free_port() -> int:
@@ -33,10 +67,7 @@ class RedisServer:
     """A redis-server child process on 127.0.0.1, owned by one test (or session)."""
 
     def __init__(self, workdir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("no redis-server binary on PATH (apt-get install redis-server)")
-        self.binary = binary
+        self.binary = require_binary("redis-server", REDIS_SERVER_HINT)
         self.port = free_port()
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
@@ -47,8 +78,19 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

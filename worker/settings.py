@@ -41,7 +41,7 @@ class WorkerSettings(BaseSettings):
     )
     max_batch: int = Field(default=16, gt=0, description="sequences decoded together")
     prefill_step_size: int = Field(default=512, gt=0, description="prompt tokens per prefill chunk")
-    name: str | None = Field(default=None, description="rq worker name (default: host.pid)")
+    name: str | None = Field(default=None, description="rq worker name (default: kvrq.HOST.PID.xxxx)")
     max_held: int | None = Field(
         default=None, gt=0, description="jobs held at once, running or waiting (default 2 x max_batch)"
     )
@@ -59,7 +59,11 @@ class WorkerSettings(BaseSettings):
         default=3600, ge=-1, description="seconds results are kept when the job sets none"
     )
     stream_ttl: int = Field(default=3600, gt=0, description="seconds a job's token stream is kept")
-    stream_maxlen: int = Field(default=10000, gt=0, description="entries a token stream is trimmed to")
+    stream_maxlen: int = Field(
+        default=100_000,
+        gt=0,
+        description="entries a token stream keeps at least (one per token, plus a start and an end per run)",
+    )
     progress_interval: float = Field(
         default=0.5, ge=0, description="seconds between job.meta progress updates"
     )

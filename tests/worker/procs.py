@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -11,10 +10,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import pytest
 from redis import Redis
 
-from tests.conftest import free_port
+from tests.conftest import REDIS_SERVER_HINT, free_port, require_binary
 from worker.cli.spawn import worker_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,10 +22,7 @@ class RedisProcess:
     """redis-server on 127.0.0.1; `persistent` keeps its data (AOF) across stop/start on the same port."""
 
     def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("no redis-server binary on PATH (apt-get install redis-server)")
-        self.binary = binary
+        self.binary = require_binary("redis-server", REDIS_SERVER_HINT)
         self.workdir = workdir
         self.persistent = persistent
         self.port = free_port()
