@@ -42,6 +42,16 @@ BUDGET_RESCAN_S = 5.0
 Blob = bytes | bytearray | memoryview
 
 
+def check_fence(fence: object) -> None:
+    """Raise unless `fence` is None or a non-negative int (a caller's bug, caught before any I/O)."""
+    if fence is None:
+        return
+    if not isinstance(fence, int) or isinstance(fence, bool):
+        raise TypeError(f"fence must be an int or None, not {type(fence).__name__}")
+    if fence < 0:
+        raise ValueError(f"fence must be >= 0, got {fence}")
+
+
 class _Rewritten(Exception):
     """A block vanished because a writer replaced the manifest meanwhile: read again."""
 
@@ -139,7 +149,8 @@ class BlockBackend(ABC):
 
     # --- the rest of CacheStore, per backend --------------------------------------------------------
     @abstractmethod
-    def put(self, agent_id: str, cache: AgentCache) -> None: ...
+    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
+        """Store the cache; False (nothing written) if `fence` is lower than the stored one."""
 
     @abstractmethod
     def delete(self, agent_id: str) -> bool: ...
@@ -260,7 +271,28 @@ class BlockBackend(ABC):
             return None
 
     # --- writes --------------------------------------------------------------------------------
-    def plan_write(self, agent_id: str, cache: AgentCache, previous: Manifest | None) -> WritePlan:
+    def _fence_for(self, agent_id: str, fence: int | None, stored: int) -> int | None:
+        """The fence the new manifest carries, or None if the put is stale (then counted and logged).
+
+        An unfenced put keeps the stored fence, so fences never go backwards.
+        """
+        if fence is None:
+            return stored
+        if fence < stored:
+            self._stats.add("stale_puts")
+            log.warning(
+                "%s: dropped a stale put of agent %r: its fence %d is below the stored fence %d",
+                self.kind,
+                agent_id,
+                fence,
+                stored,
+            )
+            return None
+        return fence
+
+    def plan_write(
+        self, agent_id: str, cache: AgentCache, previous: Manifest | None, *, fence: int = 0
+    ) -> WritePlan:
         """Encode the blocks `previous` does not already hold; keep (by reference) those it does."""
         cache.validate(self.spec)
         generation = new_generation()
@@ -288,6 +320,7 @@ class BlockBackend(ABC):
             blocks=(),
             generation=generation,
             created=time.time(),
+            fence=fence,
         )
         return WritePlan(draft, slots)
 

@@ -42,7 +42,10 @@ class CacheStore(Protocol):
         """
         ...
 
-    def put(self, agent_id: str, cache: AgentCache) -> None: ...
+    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> object:
+        """Store the cache. Backends return whether it was written (False: a stale fence);
+        the hot tier returns a Future of that, resolved once the write is durable."""
+        ...
 
     def delete(self, agent_id: str) -> bool: ...
 
@@ -85,6 +88,7 @@ BACKEND_COUNTERS = (
     "evictions",
     "evicted_bytes",
     "put_retries",
+    "stale_puts",
     "expired",
     "discarded",
 )

@@ -33,11 +33,18 @@ from pathlib import Path
 from engine.blocks import AgentCache
 from engine.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
-from store.backend import Blob, BlockBackend, NewBlock, Usage
+from store.backend import Blob, BlockBackend, NewBlock, Usage, check_fence
 from store.base import CacheInfo
 from store.errors import BadCacheError, StoreError
 from store.iopool import map_parallel, submit
-from store.manifest import BlockRef, Manifest, encode_manifest, summarize_manifest
+from store.manifest import (
+    BlockRef,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+    stored_fence,
+    summarize_manifest,
+)
 
 MARKER = "kvrq-store.json"
 _MARKER_CONTENT = {"format": "kvrq-store", "layout": 1}
@@ -150,15 +157,20 @@ class DiskStore(BlockBackend):
             os.utime(self._agent_dir(agent_id) / MANIFEST)
 
     # --- writes --------------------------------------------------------------------------------
-    def put(self, agent_id: str, cache: AgentCache) -> None:
+    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
         key = agent_key(agent_id)
+        check_fence(fence)
         cache.validate(self.spec)  # before touching the disk: a foreign cache leaves no trace
         directory = self._dir(key)
         blocks_dir = directory / "blocks"
         with self._locked(key):
-            blocks_dir.mkdir(parents=True, exist_ok=True)
-            previous = self._previous(agent_id, blocks_dir)
-            plan = self.plan_write(agent_id, cache, previous)
+            current = _read_if_present(directory / MANIFEST)
+            new_fence = self._fence_for(agent_id, fence, stored_fence(current))
+            if new_fence is None:
+                return False
+            _make_dirs(blocks_dir, fsync=self.fsync)
+            previous = self._previous(agent_id, current, blocks_dir)
+            plan = self.plan_write(agent_id, cache, previous, fence=new_fence)
             self._write_blocks(blocks_dir, plan.new_blocks)
             manifest = plan.manifest()
             manifest_blob = encode_manifest(manifest)
@@ -166,11 +178,19 @@ class DiskStore(BlockBackend):
             self._collect_garbage(directory, blocks_dir, manifest)
         self._count_put(plan, len(manifest_blob))
         self._after_put(key, manifest.block_bytes + len(manifest_blob))
+        return True
 
-    def _previous(self, agent_id: str, blocks_dir: Path) -> Manifest | None:
-        """The current manifest, if intact and all its blocks are present (so they may be reused)."""
-        previous = self.read_manifest(agent_id)
-        if previous is None:
+    def _previous(self, agent_id: str, blob: Blob | None, blocks_dir: Path) -> Manifest | None:
+        """The current manifest, if intact and all its blocks are present (so they may be reused).
+
+        Read under the agent's lock without the TTL check: an expired cache that is about to be
+        replaced still lends its blocks (and its fence is still honoured).
+        """
+        if blob is None:
+            return None
+        try:
+            previous = decode_manifest(blob, agent_id, self.spec)
+        except BadCacheError:
             return None
         for ref in previous.blocks:
             path = blocks_dir / f"{ref.name}{_SUFFIX}"
@@ -342,6 +362,27 @@ def _read_file(path: Path) -> bytes:
     """
     with open(path, "rb", buffering=0) as f:
         return f.read()
+
+
+def _read_if_present(path: Path) -> bytes | None:
+    try:
+        return _read_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def _make_dirs(path: Path, *, fsync: bool) -> None:
+    """`mkdir -p` that also makes each new directory's entry durable (an fsync of its parent),
+    so a block renamed into a new directory cannot vanish with it after a power loss."""
+    if path.is_dir():
+        return
+    _make_dirs(path.parent, fsync=fsync)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    if fsync:
+        _fsync_dir(path.parent)
 
 
 def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:

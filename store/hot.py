@@ -1,11 +1,13 @@
 """The hot tier: recently used caches kept in worker memory, writes sent to the backend behind.
 
 An agent that comes back to the same worker is served from memory (no I/O, no
-decode). `put` returns at once: a background thread writes the newest cache of each
-agent to the backend (an agent put twice before its write is written once). Pending
-writes are bounded: past `max_pending_bytes` a put waits for the writer, so a slow
-backend cannot grow memory without limit. `close()` (and, as a safety net, interpreter
-exit) flushes every pending write.
+decode). `put` returns at once with a Future that resolves once the cache is durable
+in the backend: a background thread writes the newest cache of each agent (an agent
+put twice before its write is written once; the older put's future follows the newer
+one). Pending writes are bounded: past `max_pending_bytes` a put waits for the writer,
+so a slow backend cannot grow memory without limit. `close()` (and, as a safety net,
+interpreter exit) flushes every pending write. `prefetch` runs a `get` on a background
+thread so the caller's thread never waits on store I/O or decoding.
 
 The tier keeps caches exactly as they were put: quantization applies at rest, in the
 backend. Entries are evicted least recently used first once they exceed the byte
@@ -23,12 +25,14 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.blocks import AgentCache
 from store.agent_ids import validate_agent_id
-from store.backend import BlockBackend
+from store.backend import BlockBackend, check_fence
 from store.base import CacheInfo, Stats, log, shared_prefix
 from store.errors import NO_COMMON_PREFIX, StoreError
 
@@ -39,7 +43,24 @@ HOT_COUNTERS = (
     "hot_evicted_bytes",
     "writes_behind",
     "write_errors",
+    "prefetches",
 )
+PREFETCH_THREADS = 2
+
+
+@dataclass
+class _Write:
+    """A cache waiting for the backend, with the futures of every put it answers for."""
+
+    cache: AgentCache
+    fence: int | None
+    futures: list[Future[bool]] = field(default_factory=list)
+
+
+def _running_future() -> Future[bool]:
+    future: Future[bool] = Future()
+    future.set_running_or_notify_cancel()  # a caller cannot cancel a write: cancel() returns False
+    return future
 
 
 class HotTierStore:
@@ -63,13 +84,14 @@ class HotTierStore:
         self.max_pending_bytes = max(capacity_bytes, 1) if max_pending_bytes is None else max_pending_bytes
         self._lru: OrderedDict[str, AgentCache] = OrderedDict()
         self._lru_bytes = 0
-        self._pending: OrderedDict[str, AgentCache] = OrderedDict()
+        self._pending: OrderedDict[str, _Write] = OrderedDict()
         self._pending_bytes = 0
-        self._inflight: dict[str, AgentCache] = {}
+        self._inflight: dict[str, _Write] = {}
         self._epoch = 0  # bumped by every put/delete: a slow backend read must not overwrite newer data
         self._cond = threading.Condition()
         self._closed = False
         self._writer: threading.Thread | None = None
+        self._prefetcher: ThreadPoolExecutor | None = None
         self._stats = Stats(HOT_COUNTERS)
         self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._atexit)
@@ -77,21 +99,62 @@ class HotTierStore:
     # --- reads ---------------------------------------------------------------------------------
     def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
         validate_agent_id(agent_id)
+        hit, cache, epoch = self._from_memory(agent_id, prompt_tokens)
+        if hit:
+            return cache
+        return self._from_backend(agent_id, prompt_tokens, epoch)
+
+    def prefetch(self, agent_id: str, *, prompt_tokens: Sequence[int] | None) -> Future[AgentCache | None]:
+        """`get(agent_id, prompt_tokens=...)` computed on a background thread.
+
+        A hot-tier hit comes back as an already finished future; otherwise the backend read,
+        checks and decode run on one of the store's prefetch threads. The future never
+        carries an exception for stored data (a bad cache is a miss, None, as with `get`).
+        Counted as one get: use its result instead of calling `get` again.
+        """
+        validate_agent_id(agent_id)
+        prompt = None if prompt_tokens is None else list(prompt_tokens)  # the caller may reuse its list
+        self._stats.add("prefetches")
+        hit, cache, epoch = self._from_memory(agent_id, prompt)
+        if hit:
+            done: Future[AgentCache | None] = Future()
+            done.set_result(cache)
+            return done
+        with self._cond:
+            if self._closed:
+                raise StoreError("prefetch on a closed store")
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(
+                    PREFETCH_THREADS, thread_name_prefix="kvrq-store-prefetch"
+                )
+            return self._prefetcher.submit(self._from_backend, agent_id, prompt, epoch)
+
+    def _from_memory(
+        self, agent_id: str, prompt_tokens: Sequence[int] | None
+    ) -> tuple[bool, AgentCache | None, int]:
+        """(hit, the get's result if hit, the epoch a backend read must compare against)."""
         with self._cond:
             cache = self._newest(agent_id)
             if agent_id in self._lru:
                 self._lru.move_to_end(agent_id)
             epoch = self._epoch
-        if cache is not None:
-            self._stats.add("hot_hits")
-            return self._for_prompt(agent_id, cache, prompt_tokens)
-        self._stats.add("hot_misses")
+        if cache is None:
+            self._stats.add("hot_misses")
+            return False, None, epoch
+        self._stats.add("hot_hits")
+        return True, self._for_prompt(agent_id, cache, prompt_tokens), epoch
+
+    def _from_backend(
+        self, agent_id: str, prompt_tokens: Sequence[int] | None, epoch: int
+    ) -> AgentCache | None:
         cache = self.backend.get(agent_id, prompt_tokens=prompt_tokens)
-        if cache is not None:
-            with self._cond:
-                if self._epoch == epoch and not self._closed:
+        with self._cond:
+            if self._epoch == epoch:
+                if cache is not None and not self._closed:
                     self._insert(agent_id, cache)
-        return cache
+                return cache
+            newer = self._newest(agent_id)  # put (or deleted) while we read: the newest wins
+        return cache if newer is None else self._for_prompt(agent_id, newer, prompt_tokens)
 
     def _for_prompt(
         self, agent_id: str, cache: AgentCache, prompt_tokens: Sequence[int] | None
@@ -106,38 +169,77 @@ class HotTierStore:
 
     def _unwritten(self, agent_id: str) -> AgentCache | None:
         """The newest cache put but not yet in the backend (lock held)."""
-        pending = self._pending.get(agent_id)
-        return pending if pending is not None else self._inflight.get(agent_id)
+        write = self._pending.get(agent_id) or self._inflight.get(agent_id)
+        return None if write is None else write.cache
 
     def _newest(self, agent_id: str) -> AgentCache | None:
         unwritten = self._unwritten(agent_id)
         return unwritten if unwritten is not None else self._lru.get(agent_id)
 
     # --- writes --------------------------------------------------------------------------------
-    def put(self, agent_id: str, cache: AgentCache) -> None:
-        """Keep `cache` in memory and queue it for the backend; raises if it does not fit the spec."""
+    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> Future[bool]:
+        """Keep `cache` in memory and queue it for the backend; returns a Future of its durability.
+
+        The future resolves True once the backend holds this cache or a newer put of the agent
+        (any other worker's get sees it), False if the backend dropped it as stale (`fence`
+        below the stored one) or a delete cancelled it, and with the write's exception if the
+        backend write failed (logged, counted in `write_errors`). A put replaced by a newer put
+        of the same agent before it was written resolves with that newer put's outcome. Raises
+        only for a caller's bug: an invalid agent id or fence, a cache of another spec, a closed
+        store. Done-callbacks run on the writer thread: keep them short, never wait on the store.
+        """
         validate_agent_id(agent_id)
+        check_fence(fence)
         cache.validate(self.spec)
         if self._closed:
             raise StoreError("put on a closed store")
+        future = _running_future()
+        write = _Write(cache, fence, [future])
         if not self.write_behind:
-            self.backend.put(agent_id, cache)
+            stands = self._write(agent_id, write)
+            with self._cond:
+                if self._closed:
+                    raise StoreError("put on a closed store")
+                self._epoch += 1
+                if stands:
+                    self._insert(agent_id, cache)
+            return future
         with self._cond:
             if self._closed:
                 raise StoreError("put on a closed store")
             self._epoch += 1
             self._insert(agent_id, cache)
-            if not self.write_behind:
-                return
-            old = self._pending.get(agent_id)
-            if old is not None:
-                self._pending_bytes -= old.nbytes
-            self._pending[agent_id] = cache
+            replaced = self._pending.get(agent_id)
+            if replaced is not None:
+                self._pending_bytes -= replaced.cache.nbytes
+                write.futures[:0] = replaced.futures  # they now follow this put's outcome
+            self._pending[agent_id] = write
             self._pending_bytes += cache.nbytes
             self._ensure_writer()
             self._cond.notify_all()
             while self._pending_bytes > self.max_pending_bytes and agent_id in self._pending:
                 self._cond.wait()
+        return future
+
+    def _write(self, agent_id: str, write: _Write) -> bool:
+        """Write to the backend and settle the futures; False when the backend dropped it as stale."""
+        try:
+            written = self.backend.put(agent_id, write.cache, fence=write.fence)
+        except Exception as exc:
+            self._stats.add("write_errors")
+            log.exception("hot tier: writing agent %r to the %s store failed", agent_id, self.backend.kind)
+            for future in write.futures:
+                future.set_exception(exc)
+            return True  # not durable, but not stale either: the cache stays in memory
+        if written:
+            if self.write_behind:
+                self._stats.add("writes_behind")
+        else:
+            with self._cond:  # another worker holds the agent now: serve its cache, not ours
+                self._forget(agent_id, write.cache)
+        for future in write.futures:
+            future.set_result(written)
+        return written
 
     def _insert(self, agent_id: str, cache: AgentCache) -> None:
         """Put into the LRU and evict the least recently used beyond the budget (lock held)."""
@@ -155,6 +257,12 @@ class HotTierStore:
             self._stats.add("hot_evicted_bytes", evicted.nbytes)
             log.debug("hot tier: evicted agent %r (%d bytes) from memory", victim, evicted.nbytes)
 
+    def _forget(self, agent_id: str, cache: AgentCache) -> None:
+        """Drop `cache` from memory if it is still the agent's entry (lock held)."""
+        if self._lru.get(agent_id) is cache:
+            del self._lru[agent_id]
+            self._lru_bytes -= cache.nbytes
+
     def _ensure_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
             self._writer = threading.Thread(target=self._write_loop, name="kvrq-store-writer", daemon=True)
@@ -167,25 +275,19 @@ class HotTierStore:
                     self._cond.wait()
                 if not self._pending:
                     return
-                agent_id, cache = self._pending.popitem(last=False)
-                self._pending_bytes -= cache.nbytes
-                self._inflight[agent_id] = cache
+                agent_id, write = self._pending.popitem(last=False)
+                self._pending_bytes -= write.cache.nbytes
+                self._inflight[agent_id] = write
                 self._cond.notify_all()
             try:
-                self.backend.put(agent_id, cache)
-                self._stats.add("writes_behind")
-            except Exception:
-                self._stats.add("write_errors")
-                log.exception(
-                    "hot tier: writing agent %r to the %s store failed", agent_id, self.backend.kind
-                )
+                self._write(agent_id, write)  # resolves the futures before flush() can return
             finally:
                 with self._cond:
                     self._inflight.pop(agent_id, None)
                     self._cond.notify_all()
 
     def flush(self) -> None:
-        """Wait until every put so far is in the backend."""
+        """Wait until every put so far is in the backend (or failed) and its future is resolved."""
         with self._cond:
             while self._pending or self._inflight:
                 if self._writer is None or not self._writer.is_alive():
@@ -194,6 +296,7 @@ class HotTierStore:
 
     # --- the rest of CacheStore ----------------------------------------------------------------
     def delete(self, agent_id: str) -> bool:
+        """Delete the agent everywhere; its puts not yet written resolve False (never written)."""
         validate_agent_id(agent_id)
         with self._cond:
             self._epoch += 1
@@ -202,10 +305,13 @@ class HotTierStore:
                 self._lru_bytes -= held.nbytes
             pending = self._pending.pop(agent_id, None)
             if pending is not None:
-                self._pending_bytes -= pending.nbytes
+                self._pending_bytes -= pending.cache.nbytes
                 self._cond.notify_all()
             while agent_id in self._inflight:
                 self._cond.wait()
+        if pending is not None:
+            for future in pending.futures:
+                future.set_result(False)
         return self.backend.delete(agent_id) or pending is not None
 
     def list(self) -> builtins.list[str]:
@@ -232,7 +338,7 @@ class HotTierStore:
         return {**self.backend.stats(), **self._stats.snapshot(), **gauges}
 
     def close(self) -> None:
-        """Flush pending writes, stop the writer, close the backend. Safe to call twice."""
+        """Flush pending writes, stop the writer and prefetches, close the backend. Safe to call twice."""
         with self._cond:
             if self._closed:
                 return
@@ -240,8 +346,11 @@ class HotTierStore:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            prefetcher, self._prefetcher = self._prefetcher, None
         if self._writer is not None:
             self._writer.join()
+        if prefetcher is not None:
+            prefetcher.shutdown(wait=True, cancel_futures=True)
         atexit.unregister(self._atexit)
         self.backend.close()
 

@@ -50,6 +50,7 @@ class Manifest:
     blocks: tuple[BlockRef, ...]
     generation: str  # unique per put: tells a reader a concurrent rewrite from a broken cache
     created: float
+    fence: int = 0  # the writer's fencing token: a put with a lower one is dropped as stale
 
     @property
     def n_tokens(self) -> int:
@@ -106,6 +107,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "blocks": json.dumps([[b.name, b.chain, b.n_tokens, b.nbytes, b.crc32] for b in manifest.blocks]),
         "generation": manifest.generation,
         "created": repr(manifest.created),
+        "fence": str(manifest.fence),
         "tokens_crc32": str(zlib.crc32(tokens.data)),
     }
     metadata["checksum"] = str(_metadata_checksum(metadata))
@@ -191,7 +193,29 @@ def _build(metadata: dict[str, str], tokens: np.ndarray, agent_id: str, spec: Mo
         blocks=blocks,
         generation=metadata["generation"],
         created=float(metadata["created"]),
+        fence=_fence(metadata),
     )
+
+
+def _fence(metadata: dict[str, str]) -> int:
+    """The manifest's fencing token; manifests written before fencing existed hold none: 0."""
+    fence = int(metadata.get("fence", "0"))
+    if fence < 0:
+        raise ValueError(f"negative fence {fence}")
+    return fence
+
+
+def stored_fence(blob: bytes | bytearray | memoryview | None) -> int:
+    """The fence of the manifest in `blob` (any spec); 0 when there is none or it is unreadable.
+
+    A damaged manifest forgets its fence: the next put of any fence replaces it.
+    """
+    if blob is None:
+        return 0
+    try:
+        return summarize_manifest(blob).fence
+    except BadCacheError:
+        return 0
 
 
 def _safe_name(name: str) -> bool:
@@ -209,6 +233,7 @@ class ManifestSummary:
     quantization: str
     fingerprint: str
     block_names: tuple[str, ...]
+    fence: int
 
 
 def summarize_manifest(blob: bytes | bytearray | memoryview) -> ManifestSummary:
@@ -230,6 +255,7 @@ def summarize_manifest(blob: bytes | bytearray | memoryview) -> ManifestSummary:
             quantization=metadata["quantization"],
             fingerprint=metadata["fingerprint"],
             block_names=tuple(str(entry[0]) for entry in raw_blocks if _safe_name(str(entry[0]))),
+            fence=_fence(metadata),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise BadCacheError(BAD_MANIFEST, f"manifest fields are inconsistent: {exc}") from None

@@ -19,6 +19,7 @@ gone): last writer wins, never a mix.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import random
 import time
 import zlib
@@ -32,11 +33,18 @@ from redis.exceptions import DataError, RedisError, WatchError
 from engine.blocks import AgentCache
 from engine.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
-from store.backend import Blob, BlockBackend, Usage, WritePlan
+from store.backend import Blob, BlockBackend, Usage, WritePlan, check_fence
 from store.base import CacheInfo
 from store.errors import BadCacheError, StoreError
 from store.iopool import submit
-from store.manifest import BlockRef, Manifest, decode_manifest, encode_manifest, summarize_manifest
+from store.manifest import (
+    BlockRef,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+    stored_fence,
+    summarize_manifest,
+)
 from store.resp import ScatterPacker, ScatterValue
 
 DEFAULT_PREFIX = "kvrq:cache:"
@@ -125,12 +133,12 @@ class RedisStore(BlockBackend):
         pipe.execute()
 
     # --- writes --------------------------------------------------------------------------------
-    def put(self, agent_id: str, cache: AgentCache) -> None:
+    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
         validate_agent_id(agent_id)
+        check_fence(fence)
         cache.validate(self.spec)
         mkey = self._mkey(agent_id)
         plan: WritePlan | None = None
-        manifest_blob = b""
         for attempt in range(_PUT_ATTEMPTS):
             if attempt:
                 self._stats.add("put_retries")
@@ -138,22 +146,27 @@ class RedisStore(BlockBackend):
             with self._client.pipeline(transaction=True) as tx:
                 tx.watch(mkey)
                 current = _as_blob(tx.get(mkey))
-                old_names = self._names_in(current)
+                # Compared under WATCH: a writer that swaps the manifest in meanwhile aborts our EXEC.
+                new_fence = self._fence_for(agent_id, fence, stored_fence(current))
+                if new_fence is None:
+                    if plan is not None:
+                        self._discard(agent_id, plan)
+                    return False
                 if plan is None or not self._blocks_exist(tx, agent_id, plan.kept_names):
                     # (Re)plan; a retry whose kept blocks still exist only needs the commit again.
                     if plan is not None:
                         self._discard(agent_id, plan)
                     plan = self.plan_write(agent_id, cache, self._reusable(tx, agent_id, current))
                     self._write_blocks(agent_id, plan)
-                    manifest = plan.manifest()
-                    manifest_blob = encode_manifest(manifest)
+                manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
+                manifest_blob = encode_manifest(manifest)
                 try:
-                    self._commit(tx, agent_id, plan, manifest_blob, old_names)
+                    self._commit(tx, agent_id, plan, manifest, manifest_blob, self._names_in(current))
                 except WatchError:
                     continue
             self._count_put(plan, len(manifest_blob))
             self._after_put(agent_id, manifest.block_bytes + len(manifest_blob))
-            return
+            return True
         if plan is not None:
             self._discard(agent_id, plan)
         raise StoreError(f"put of agent {agent_id!r} lost {_PUT_ATTEMPTS} races with other writers")
@@ -201,10 +214,15 @@ class RedisStore(BlockBackend):
         pipe.execute()
 
     def _commit(
-        self, tx: Any, agent_id: str, plan: WritePlan, manifest_blob: bytes, old: Sequence[str]
+        self,
+        tx: Any,
+        agent_id: str,
+        plan: WritePlan,
+        manifest: Manifest,
+        manifest_blob: bytes,
+        old: Sequence[str],
     ) -> None:
         """One MULTI/EXEC: swap the manifest, settle block expiries, drop replaced blocks, index."""
-        manifest = plan.manifest()
         new_names = {ref.name for ref in manifest.blocks}
         written = {block.name for block in plan.new_blocks}
         tx.multi()

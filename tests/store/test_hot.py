@@ -31,13 +31,13 @@ class GatedDisk(DiskStore):
         self.fail = False
         self.put_calls: list[tuple[str, int]] = []
 
-    def put(self, agent_id: str, cache: AgentCache) -> None:
+    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
         self.entered.set()
         assert self.gate.wait(10)
         self.put_calls.append((agent_id, cache.n_tokens))
         if self.fail:
             raise OSError("disk on fire")
-        super().put(agent_id, cache)
+        return super().put(agent_id, cache, fence=fence)
 
 
 def _hot(tmp_path: Path, capacity: int = 1 << 24, **kwargs: object) -> tuple[HotTierStore, GatedDisk]:
@@ -223,16 +223,17 @@ def test_open_store_uris(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_interpreter_exit_flushes_without_close(tmp_path: Path) -> None:
     """A worker that forgets close() still writes its caches on a normal exit."""
+    uri = f"disk:{tmp_path / 's'}"
     script = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 from tests.store.conftest import make_cache, tiny_spec, tokens
 import time
 from store.factory import open_store
-store = open_store("disk:{tmp_path / 's'}", tiny_spec())
+store = open_store({uri!r}, tiny_spec())
 slow_put = store.backend.put
-def put(agent_id, cache):
+def put(agent_id, cache, fence=None):
     time.sleep(0.3)
-    slow_put(agent_id, cache)
+    return slow_put(agent_id, cache, fence=fence)
 store.backend.put = put
 store.put("a", make_cache(tiny_spec(), tokens(40)))
 """

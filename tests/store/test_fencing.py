@@ -1,0 +1,190 @@
+"""Fencing: a put whose fence is below the stored one is dropped, atomically, on every backend.
+
+The worker takes an agent's lock together with a fence from a Redis INCR; a worker that
+lost the lock (paused, partitioned) and writes late must not replace the newer cache.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from store.backend import BlockBackend
+from store.disk import MANIFEST, DiskStore
+from store.manifest import _metadata_checksum, encode_manifest
+from store.redis_store import RedisStore
+from store.stfile import encode, parse_header, view
+from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+
+Factory = Callable[..., DiskStore | RedisStore]
+
+
+def test_a_lower_fence_is_dropped_and_an_equal_or_higher_one_written(backend_factory: Factory) -> None:
+    spec = tiny_spec()
+    store = backend_factory(spec)
+    winner = make_cache(spec, tokens(40, seed=1))
+    assert store.put("a", winner, fence=5) is True
+    assert store.put("a", make_cache(spec, tokens(50, seed=2)), fence=3) is False
+    assert store.stats()["stale_puts"] == 1
+    assert store.stats()["puts"] == 1
+    assert_same_cache(store.get("a"), winner)
+    again = make_cache(spec, tokens(30, seed=3))
+    assert store.put("a", again, fence=5) is True  # the same holder may put many times
+    assert_same_cache(store.get("a"), again)
+    assert store.put("a", make_cache(spec, tokens(20, seed=4)), fence=6) is True
+    manifest = store.read_manifest("a")
+    assert manifest is not None and manifest.fence == 6
+
+
+def test_an_unfenced_put_keeps_the_stored_fence(backend_factory: Factory) -> None:
+    spec = tiny_spec()
+    store = backend_factory(spec)
+    store.put("a", make_cache(spec, tokens(20)), fence=7)
+    unfenced = make_cache(spec, tokens(25, seed=1))
+    assert store.put("a", unfenced) is True
+    manifest = store.read_manifest("a")
+    assert manifest is not None and manifest.fence == 7
+    assert store.put("a", make_cache(spec, tokens(30, seed=2)), fence=6) is False
+    assert_same_cache(store.get("a"), unfenced)
+
+
+def test_a_stale_put_leaves_no_blocks_behind(backend_factory: Factory, tmp_path: Path) -> None:
+    spec = tiny_spec()
+    store = backend_factory(spec)
+    store.put("a", make_cache(spec, tokens(40)), fence=2)
+    before = store.info("a")
+    assert store.put("a", make_cache(spec, tokens(64, seed=9)), fence=1) is False
+    assert store.info("a") == before
+    if isinstance(store, DiskStore):
+        blocks = list((tmp_path / "store").rglob("blocks/*"))
+        manifest = store.read_manifest("a")
+        assert manifest is not None and len(blocks) == len(manifest.blocks)
+
+
+@pytest.mark.parametrize("fence", [-1, "3", 2.0, True])
+def test_a_bad_fence_is_refused_before_any_io(backend_factory: Factory, fence: Any) -> None:
+    store = backend_factory(tiny_spec())
+    with pytest.raises((TypeError, ValueError)):
+        store.put("a", make_cache(store.spec, tokens(10)), fence=fence)
+    assert store.list() == []
+
+
+def _without_fence(blob: bytes) -> bytes:
+    """The manifest as the store wrote it before fencing existed (no `fence` metadata)."""
+    metadata, entries, start = parse_header(blob)
+    del metadata["fence"]
+    metadata["checksum"] = str(_metadata_checksum(metadata))
+    tokens_array = view(blob, entries["token_ids"], start)
+    header, buffers = encode([("token_ids", "I64", tokens_array)], metadata)
+    return b"".join([header, *buffers])
+
+
+def test_a_manifest_without_a_fence_reads_as_fence_zero(backend_factory: Factory, tmp_path: Path) -> None:
+    spec = tiny_spec()
+    store = backend_factory(spec)
+    cache = make_cache(spec, tokens(40))
+    store.put("a", cache)
+    manifest = store.read_manifest("a")
+    assert manifest is not None
+    old = _without_fence(encode_manifest(manifest))
+    if isinstance(store, DiskStore):
+        (store._agent_dir("a") / MANIFEST).write_bytes(old)
+    else:
+        store._client.set(store._mkey("a"), old)
+    reread = store.read_manifest("a")
+    assert reread is not None and reread.fence == 0
+    assert_same_cache(store.get("a"), cache)
+    assert store.put("a", make_cache(spec, tokens(50, seed=1)), fence=1) is True
+
+
+def test_a_delete_forgets_the_fence(backend_factory: Factory) -> None:
+    """The fence lives in the manifest: once the cache is gone (delete, eviction, TTL) any fence writes."""
+    spec = tiny_spec()
+    store = backend_factory(spec)
+    store.put("a", make_cache(spec, tokens(20)), fence=9)
+    store.delete("a")
+    assert store.put("a", make_cache(spec, tokens(20)), fence=1) is True
+
+
+def test_disk_put_over_an_expired_cache_does_not_deadlock(tmp_path: Path) -> None:
+    """The put reads the old manifest under the agent's lock; expiry must not take the lock again."""
+    import os
+
+    spec = tiny_spec()
+    store = DiskStore(tmp_path / "store", spec, ttl_s=60)
+    store.put("a", make_cache(spec, tokens(40)), fence=3)
+    manifest_path = store._agent_dir("a") / MANIFEST
+    os.utime(manifest_path, (1, 1))  # last used in 1970: expired
+    assert store.put("a", make_cache(spec, tokens(40, seed=1)), fence=2) is False  # fence still honoured
+    newer = make_cache(spec, tokens(40, seed=2))
+    assert store.put("a", newer, fence=3) is True
+    assert_same_cache(store.get("a"), newer)
+
+
+# --- two real processes racing, one with a lower fence ----------------------------------------------
+AGENT = "fenced-agent"
+
+
+def _open(kind: str, location: str) -> BlockBackend:
+    if kind == "disk":
+        return DiskStore(location, tiny_spec())
+    return RedisStore(location, tiny_spec(), prefix="fence:")
+
+
+def _low_writer(kind: str, location: str, go: Any, stop: Any, results: Any) -> None:
+    """Puts with fence 1 until told to stop; records each put's outcome in order."""
+    store = _open(kind, location)
+    go.wait(30)
+    n = 0
+    while not stop.is_set() or n < 5:
+        results.append(store.put(AGENT, make_cache(store.spec, tokens(20 + n % 40, seed=1000 + n)), fence=1))
+        n += 1
+        if n > 2000:
+            break
+    store.close()
+
+
+def _race(kind: str, location: str) -> None:
+    ctx = mp.get_context("spawn")
+    manager = ctx.Manager()
+    go, stop, results = ctx.Event(), ctx.Event(), manager.list()
+    low = ctx.Process(target=_low_writer, args=(kind, location, go, stop, results))
+    low.start()
+    store = _open(kind, location)
+    go.set()
+    while len(results) < 3:  # the low writer is well under way
+        assert low.is_alive()
+    high = make_cache(store.spec, tokens(70, seed=7))
+    assert store.put(AGENT, high, fence=2) is True
+    count_at_high = len(results)
+    while len(results) < count_at_high + 5:  # the low writer keeps trying after the takeover
+        assert low.is_alive()
+    stop.set()
+    low.join(60)
+    assert low.exitcode == 0
+    outcomes = list(results)
+    first_false = outcomes.index(False)
+    # Once the fence-2 put committed, every later fence-1 put was dropped: never a True again.
+    assert all(outcomes[:first_false]) and not any(outcomes[first_false:])
+    assert first_false <= count_at_high + 1  # at most the put in flight during the takeover landed first
+    assert_same_cache(store.get(AGENT), high)
+    manifest = store.read_manifest(AGENT)
+    assert manifest is not None and manifest.fence == 2
+    manager.shutdown()
+    store.close()
+
+
+@pytest.mark.integration
+def test_a_lower_fence_loses_to_a_concurrent_writer_on_disk(tmp_path: Path) -> None:
+    location = str(tmp_path / "store")
+    DiskStore(location, tiny_spec())
+    _race("disk", location)
+
+
+@pytest.mark.integration
+def test_a_lower_fence_loses_to_a_concurrent_writer_on_redis(redis_url: str) -> None:
+    _race("redis", redis_url)
