@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis import Redis
@@ -125,29 +125,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    connection = Redis.from_url(args.redis)
-    try:
-        if args.run_id is None:
-            runs = list_batches(connection)
-            if args.json:
-                print(json.dumps(runs))
-            elif not runs:
-                print("no batch runs recorded")
-            for info in [] if args.json else runs:
-                print(
-                    f"{info['run_id']}  {info['state']:<10}  {info['done']}/{info['total']} done  "
-                    f"{info['failed']} failed  queue={info['queue']}  output={info.get('output', '')}"
-                )
-            return EXIT_OK
-        status = batch_status(connection, args.run_id)
-    except RunNotFoundError as exc:
-        _err(str(exc))
-        return EXIT_FAILED
-    except RedisError as exc:
-        _err(str(exc))
-        return EXIT_USAGE
-    finally:
-        connection.close()
+    return _with_redis(args.redis, lambda connection: _show_status(connection, args))
+
+
+def _show_status(connection: Redis, args: argparse.Namespace) -> int:
+    if args.run_id is None:
+        runs = list_batches(connection)
+        if args.json:
+            print(json.dumps(runs))
+        elif not runs:
+            print("no batch runs recorded")
+        for info in [] if args.json else runs:
+            print(
+                f"{info['run_id']}  {info['state']:<10}  {info['done']}/{info['total']} done  "
+                f"{info['failed']} failed  queue={info['queue']}  output={info.get('output', '')}"
+            )
+        return EXIT_OK
+    status = batch_status(connection, args.run_id)
     if args.json:
         print(json.dumps(status))
         return EXIT_OK
@@ -167,9 +161,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    connection = Redis.from_url(args.redis)
-    try:
+    def cancel(connection: Redis) -> int:
         canceled = cancel_batch(connection, args.run_id, running=args.running)
+        print(f"{args.run_id}: canceled, {canceled} job(s) canceled")
+        return EXIT_OK
+
+    return _with_redis(args.redis, cancel)
+
+
+def _with_redis(url: str, action: Callable[[Redis], int]) -> int:
+    """Run `action` on a connection to `url`: an unknown run exits 1, Redis trouble 2, each with one line."""
+    connection = Redis.from_url(url)
+    try:
+        return action(connection)
     except RunNotFoundError as exc:
         _err(str(exc))
         return EXIT_FAILED
@@ -178,8 +182,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     finally:
         connection.close()
-    print(f"{args.run_id}: canceled, {canceled} job(s) canceled")
-    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

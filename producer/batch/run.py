@@ -83,9 +83,6 @@ class BatchRun:
         self.key = batch_run_key(run_id)
         self.jobs_key = batch_jobs_key(run_id)
 
-    def exists(self) -> bool:
-        return bool(self.connection.exists(self.key))
-
     def start(
         self, *, queue: str, total: int, input_path: str, output_path: str, concurrency: int
     ) -> str | None:
