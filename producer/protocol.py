@@ -21,6 +21,14 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 #: Field kvrq adds to its rq worker hash: jobs the worker holds at once (batch runs size their
 #: concurrency from it).
 CAPACITY_FIELD = "kvrq_capacity"
+#: The other fields kvrq adds to its rq worker hash (what `kvrq status` shows): the model, jobs running
+#: in the engine and waiting for admission, and the KV block pool's size and free blocks.
+MODEL_FIELD = "kvrq_model"
+MAX_BATCH_FIELD = "kvrq_max_batch"
+RUNNING_FIELD = "kvrq_running"
+WAITING_FIELD = "kvrq_waiting"
+POOL_BLOCKS_FIELD = "kvrq_pool_blocks"
+FREE_BLOCKS_FIELD = "kvrq_free_blocks"
 #: job.meta key of a failed job's structured error: {"code": ErrorCode value, "message": one line}.
 #: Clients and batch runs decide on `code`, never on the text of rq's exc_info.
 ERROR_META_KEY = "kvrq_error"

@@ -1,17 +1,26 @@
-"""HeldJob: one rq job this worker has started, from dequeue until it is finished, failed or handed back."""
+"""HeldJob: one rq job this worker has started, from dequeue until it ends (finished, failed,
+canceled, handed back or taken over elsewhere)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
 
+from engine.params import SamplingParams
 from producer.models import GenerationRequest
 
-Phase = Literal["waiting", "running", "finishing"]
+if TYPE_CHECKING:
+    from engine.blocks import AgentCache
+
+#: Where a held job is inside this worker. "waiting": held, not yet in the engine (for a slot,
+#: KV blocks, its agent's turn or its cache); "running": in the engine; "ending": its outcome
+#: is decided and being written (retried across Redis outages).
+Phase = Literal["waiting", "running", "ending"]
 
 
 @dataclass
@@ -20,22 +29,23 @@ class HeldJob:
     queue: Queue
     execution: Execution
     request: GenerationRequest
+    sampling: SamplingParams
     prompt_tokens: list[int]
-    enqueued_at: float  # unix time (rq's enqueued_at)
+    enqueued_at: float  # unix time rq enqueued this run of the job
+    first_enqueued_at: float  # unix time of its first enqueue: the agent's order, kept across re-runs
     held_at: float  # monotonic
     phase: Phase = "waiting"
     uid: int | None = None
+    fence: int | None = None  # the agent's fencing token while this job holds its turn
+    cache: Future[AgentCache | None] | None = None  # the agent's cache, read off the step thread
     admitted_at: float | None = None  # unix time
     admitted_mono: float | None = None
-    cache_load_s: float = 0.0
-    first_token_at: float | None = None  # unix time
+    cache_load_s: float = 0.0  # store time left on the critical path at admission (~0: prefetched)
     generated: int = 0
     progress_at: float = 0.0  # monotonic time of the last progress write
     cancel_requested: bool = False
     wait_reason: str = ""
-    finish_steps: set[str] = field(
-        default_factory=set
-    )  # completion steps already done (retried after outages)
+    end_steps: set[str] = field(default_factory=set)  # ending steps already done (retried after outages)
 
     @property
     def id(self) -> str:

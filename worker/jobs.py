@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from rq.exceptions import DeserializationError
 from rq.job import Job
 
+from engine.params import SamplingParams
 from producer.models import GenerationRequest
 from producer.protocol import JOB_FUNCTION
 
@@ -49,6 +50,17 @@ def request_from_job(job: Job) -> GenerationRequest:
         return GenerationRequest.model_validate(payload)
     except ValidationError as exc:
         raise JobRejected(f"invalid request: {validation_message(exc)}") from None
+
+
+def sampling_of(request: GenerationRequest) -> SamplingParams:
+    """The request's generation options as the engine takes them."""
+    return SamplingParams(
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=tuple(request.stop),
+    )
 
 
 def _payload(args: list[Any], kwargs: dict[str, Any]) -> Any:

@@ -1,12 +1,20 @@
 """The worker's one loop: rq jobs in, engine steps, token streams and results out.
 
-Each iteration: publish what the last step produced; apply cancels; heartbeat every
-held job (and run the abandoned-job cleanup now and then); admit waiting jobs into the
-engine while its slots and KV blocks allow; dequeue more jobs without blocking while the
-engine has work (blocking for a second only when it is idle); one `engine.step()`.
+Each iteration, in this order:
+1. flush: publish the buffered stream/progress writes and write the endings decided so far;
+2. commands: stop-job requests from rq's pubsub thread;
+3. liveness: heartbeats of held jobs and agent locks; crash re-runs of dead workers' jobs
+   (every `crash_check_interval`); rq's registry cleanup (every `maintenance_interval`);
+4. release the agent turns whose cache put became durable;
+5. cancels and job timeouts end jobs;
+6. admission (the scheduler's policy, the engine's verdict) and intake (dequeue without
+   blocking while there is room; block for a second only when idle); or, once a stop was
+   requested, hand jobs back;
+7. one `engine.step()`, then flush again.
 
-Single-threaded on purpose: the engine, the store and every rq write happen here. The
-only other thread is rq's pubsub listener, which hands stop commands over a queue.
+Single-threaded on purpose: the engine, the store calls and every rq write happen here.
+Other threads: rq's pubsub listener (hands stop commands over a queue), the liveness
+beacon, and the store's own I/O threads (prefetch, write-behind), which the loop only polls.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import signal
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future
 from queue import Empty
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -27,13 +36,27 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 
 from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
-from producer.protocol import cancel_key
+from producer.protocol import (
+    CAPACITY_FIELD,
+    ERROR_META_KEY,
+    FIRST_ENQUEUED_META_KEY,
+    FREE_BLOCKS_FIELD,
+    MAX_BATCH_FIELD,
+    MODEL_FIELD,
+    POOL_BLOCKS_FIELD,
+    RUNNING_FIELD,
+    WAITING_FIELD,
+    ErrorCode,
+    cancel_key,
+)
 from worker import rqexec
-from worker.agentlocks import AgentLocks
+from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
 from worker.held import HeldJob
-from worker.jobs import JobRejected, request_from_job
-from worker.maintenance import clean_queues
+from worker.jobs import JobRejected, request_from_job, sampling_of
+from worker.liveness import LivenessBeacon
+from worker.maintenance import clean_queues, rerun_crashed
+from worker.outcomes import COUNTERS, Canceled, Failed, Finished, HandedBack, Outcome, TakenOver
 from worker.ports import Engine, Store
 from worker.prompts import PromptError, prompt_tokens
 from worker.publisher import Publisher
@@ -43,11 +66,9 @@ from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from engine.blocks import AgentCache
-    from engine.results import Completion, StepOutput
+    from engine.results import StepOutput
 
 log = logging.getLogger("kvrq.worker")
-#: Jobs this worker holds at once; batch runs read it to size their concurrency.
-CAPACITY_FIELD = "kvrq_capacity"
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
@@ -70,20 +91,22 @@ class WorkerLoop:
         self.model_name = model_name
         self.idle_wait_s = idle_wait_s  # 0: never block on an empty queue (tests)
         self.connection = rq_worker.connection
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(settings.held_limit)
         self.publisher = Publisher(
             self.connection, stream_ttl=settings.stream_ttl, stream_maxlen=settings.stream_maxlen
         )
-        self.locks = AgentLocks(self.connection, rq_worker.name, settings.heartbeat_ttl)
-        self.finishing: deque[tuple[HeldJob, Completion]] = deque()
-        self.pool_blocked = False
+        self.turns = AgentTurns(self.connection, rq_worker.name, settings.heartbeat_ttl)
+        self.beacon = LivenessBeacon(self.connection, rq_worker.name, settings.liveness_ttl)
+        self.ending: deque[tuple[HeldJob, Outcome]] = deque()
+        self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
         self.draining = False
         self.force_stop = False
         self.drain_deadline = 0.0
         self.backoff = Backoff()
         self.next_heartbeat = 0.0
+        self.next_crash_check = 0.0
         self.next_maintenance = 0.0
-        self.counts = {"finished": 0, "failed": 0, "canceled": 0, "requeued": 0, "tokens": 0}
+        self.counts = dict.fromkeys((*COUNTERS, "tokens", "cache_put_failed", "stale_puts"), 0)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -109,6 +132,7 @@ class WorkerLoop:
     def start(self) -> None:
         self.worker.register_birth()
         self.connection.hset(self.worker.key, mapping=self.worker_fields())  # type: ignore[arg-type]
+        self.beacon.start()
         self.worker.subscribe()
         self.worker.set_state("idle")
         log.info(
@@ -128,10 +152,11 @@ class WorkerLoop:
                 self.backoff.reset()
             except REDIS_DOWN as exc:
                 if self.force_stop:
-                    # Nothing can be handed back without Redis; heartbeats stop, so the
-                    # abandoned-job cleanup re-queues or fails what is held here.
+                    # Nothing can be handed back without Redis; the liveness key expires, so
+                    # the other workers' crash check re-runs what is held here.
                     log.error(
-                        "Redis unreachable during a forced stop (%s): leaving held jobs to cleanup", exc
+                        "Redis unreachable during a forced stop (%s): leaving held jobs to the crash check",
+                        exc,
                     )
                     break
                 delay = self.backoff.next()
@@ -143,14 +168,16 @@ class WorkerLoop:
     def shutdown(self) -> None:
         if self.store is not None:
             try:
-                self.store.close()
+                self.store.close()  # flushes write-behind: the saving turns become durable
             except Exception:
                 log.exception("store close failed: write-behind caches may be lost")
         try:
+            self._release_saved_turns(force=True)
             self.worker.register_death()
             self.worker.unsubscribe()
         except REDIS_DOWN as exc:
             log.warning("could not unregister from Redis: %s", exc)
+        self.beacon.stop()
         log.info("worker %s stopped: %s", self.worker.name, self.counts)
 
     # ---- one iteration -------------------------------------------------------------------
@@ -162,13 +189,17 @@ class WorkerLoop:
         now = time.monotonic()
         if now >= self.next_heartbeat:
             self._heartbeat()
-        if now >= self.next_maintenance and not self.draining:
+        if not self.draining and now >= self.next_crash_check:
+            self._check_crashes()
+        if not self.draining and now >= self.next_maintenance:
             self._maintenance()
+        self._release_saved_turns()
         self._apply_cancels()
         self._enforce_timeouts()
         if self.draining:
             self._drain()
-            if not self.scheduler and not self.finishing:
+            self._flush()
+            if not self.scheduler and not self.ending:
                 return True
         else:
             self._admit()
@@ -181,17 +212,9 @@ class WorkerLoop:
 
     # ---- intake ------------------------------------------------------------------------
 
-    def _wants_more(self) -> bool:
-        return (
-            not self.draining
-            and not self.pool_blocked
-            and len(self.scheduler) < self.settings.held_limit
-            and self.engine.free_slots() > self.scheduler.count_admissible()
-        )
-
     def _fill(self) -> None:
-        block = self.idle_wait_s > 0 and not self.engine.has_work()
-        while self._wants_more():
+        block = self.idle_wait_s > 0 and not self.engine.has_work() and not self.scheduler
+        while self.scheduler.wants_more(self.engine.free_slots()):
             dequeued = self._dequeue(block)
             block = False
             if dequeued is None:
@@ -212,9 +235,9 @@ class WorkerLoop:
             return None
 
     def _take(self, job: Job, queue: Queue) -> None:
-        """A dequeued job: validate, mark started, and queue it for admission."""
+        """A dequeued job: validate, mark started, stand it in its agent's line, queue it for admission."""
         if job.get_status(refresh=False) == JobStatus.CANCELED:
-            queue.intermediate_queue.remove(job.id)
+            rqexec.forget_dequeued(job, queue)
             return
         try:
             request = request_from_job(job)
@@ -222,22 +245,29 @@ class WorkerLoop:
         except (JobRejected, PromptError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("job %s rejected: %s", job.id, reason)
-            self.publisher.error(job.id, reason)
-            self.publisher.flush()
-            rqexec.reject_job(self.worker, job, queue, reason)
+            execution = rqexec.start_rejected(self.worker, job, queue)
+            outcome = Failed(ErrorCode.INVALID_REQUEST, reason, retry=False)
+            self._publish_ending(job, outcome)
+            self._record_in_rq(job, queue, execution, outcome)
             self.counts["failed"] += 1
             return
+        enqueued = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
+        first = float(job.meta.setdefault(FIRST_ENQUEUED_META_KEY, enqueued))
         execution = rqexec.start_job(self.worker, job, queue)
         held = HeldJob(
             job=job,
             queue=queue,
             execution=execution,
             request=request,
+            sampling=sampling_of(request),
             prompt_tokens=tokens,
-            enqueued_at=job.enqueued_at.timestamp() if job.enqueued_at else time.time(),
+            enqueued_at=enqueued,
+            first_enqueued_at=first,
             held_at=time.monotonic(),
         )
         self.scheduler.add(held)  # held from here on: an outage below cannot orphan it
+        if held.agent_id is not None:
+            self.turns.join(held.agent_id, held.id, first)
         held.cancel_requested = bool(self.connection.exists(cancel_key(job.id)))
         self.publisher.start(job.id, execution.id)
         self.publisher.progress(job, phase="waiting", worker=self.worker.name, prompt_tokens=len(tokens))
@@ -245,42 +275,45 @@ class WorkerLoop:
     # ---- admission ---------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Submit waiting jobs to the engine, oldest first, while it has room.
-
-        A job that does not fit now stops admission (nothing overtakes it, so a large job
-        cannot starve) and keeps later jobs in the queue; one that can never fit fails.
-        """
-        self.pool_blocked = False
+        """Submit what the scheduler offers and the engine takes, once the agent's turn and cache are in."""
         if self.draining:
             return
-        for held in self.scheduler.admissible():
-            if self.engine.free_slots() <= 0:
-                return
-            if held.cancel_requested:
-                continue
-            n_prompt, max_tokens = len(held.prompt_tokens), held.request.max_tokens
-            if not self.engine.can_admit(n_prompt, max_tokens):
-                never_fits = (
-                    self.engine.spec.blocks_for(n_prompt + max_tokens) > self.engine.pool.total_blocks
+        for held, verdict in self.scheduler.admissions(self.engine):
+            if verdict.verdict == "later":
+                self._waiting(held, verdict.reason)
+            elif verdict.verdict == "never":
+                self.end(
+                    held, Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, self._submit_error(held), retry=False)
                 )
-                if self.engine.active() > 0 and not never_fits:
-                    self._waiting(held, "KV blocks")
-                    self.pool_blocked = True
-                    return
-            if held.agent_id is not None and not self.locks.acquire(held.agent_id, held.id):
-                self._waiting(held, "agent busy on another worker")
-                continue
-            if not self._submit(held) and self.pool_blocked:
-                return
+            elif self._ready(held):
+                self._submit(held)
+
+    def _ready(self, held: HeldJob) -> bool:
+        """Take the agent's turn and start reading its cache; True once both are done (no I/O wait)."""
+        if held.agent_id is None or self.store is None:
+            return True
+        if held.fence is None:
+            held.fence = self.turns.take(
+                held.agent_id, held.id, held_here={h.id for h in self.scheduler.all()}
+            )
+            if held.fence is None:
+                self._waiting(held, "its agent's turn (an earlier job of the agent runs first)")
+                return False
+        if held.cache is None:
+            held.cache = self.store.prefetch(held.agent_id, prompt_tokens=held.prompt_tokens)
+        if not held.cache.done():
+            self._waiting(held, "its agent's cache (reading)")
+            return False
+        return True
 
     def _waiting(self, held: HeldJob, reason: str) -> None:
         if held.wait_reason != reason:
             held.wait_reason = reason
             self.publisher.progress(held.job, phase="waiting", waiting_for=reason)
 
-    def _submit(self, held: HeldJob) -> bool:
-        cache, load_s = self._load_cache(held)
-        submitted_at, submitted_mono = time.time(), time.monotonic()
+    def _submit(self, held: HeldJob) -> None:
+        cache = self._prefetched_cache(held)
+        admitted_at, admitted_mono = time.time(), time.monotonic()
         try:
             try:
                 uid = self._engine_submit(held, cache)
@@ -288,52 +321,50 @@ class WorkerLoop:
                 if cache is None:
                     raise
                 log.warning(
-                    "job %s: saved cache of agent %s unusable (%s): prefilling", held.id, held.agent_id, exc
+                    "job %s: agent %s's saved cache unusable (%s): prefilling", held.id, held.agent_id, exc
                 )
                 uid = self._engine_submit(held, None)
-        except PoolExhaustedError:
-            self._release_lock(held)
-            self._waiting(held, "KV blocks")
-            self.pool_blocked = True
-            return False
+        except PoolExhaustedError as exc:
+            self._waiting(held, f"KV blocks: {exc}")
+            return
         except InvalidRequestError as exc:
-            self._fail(held, f"{type(exc).__name__}: {exc}", retry=False)
-            return False
+            self.end(held, Failed(ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}", retry=False))
+            return
         except Exception:
-            self._fail(held, traceback.format_exc(), retry=True)
-            return False
-        held.admitted_at = submitted_at
-        held.admitted_mono = submitted_mono
-        held.cache_load_s = load_s
+            self.end(held, Failed(ErrorCode.INTERNAL, traceback.format_exc(), retry=True))
+            return
+        held.admitted_at = admitted_at
+        held.admitted_mono = admitted_mono
         held.wait_reason = ""
         self.scheduler.start(held, uid)
         self.publisher.progress(held.job, phase="running", waiting_for=None, generated_tokens=0)
-        return True
+
+    def _submit_error(self, held: HeldJob) -> str:
+        """The engine's own words for a request it can never run (it raises, changing nothing)."""
+        try:
+            uid = self._engine_submit(held, None)
+        except InvalidRequestError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        self.engine.cancel(uid)  # the verdict said never: not reached
+        return "the engine refused the request"
 
     def _engine_submit(self, held: HeldJob, cache: AgentCache | None) -> int:
-        request = held.request
+        keep_cache = held.agent_id is not None and self.store is not None
         return self.engine.submit(
-            held.agent_id,
-            held.prompt_tokens,
-            cache=cache,
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=tuple(request.stop),
-            keep_cache=held.agent_id is not None and self.store is not None,
+            held.agent_id, held.prompt_tokens, held.sampling, cache=cache, keep_cache=keep_cache
         )
 
-    def _load_cache(self, held: HeldJob) -> tuple[AgentCache | None, float]:
-        if held.agent_id is None or self.store is None:
-            return None, 0.0
+    def _prefetched_cache(self, held: HeldJob) -> AgentCache | None:
+        if held.cache is None:
+            return None
         started = time.perf_counter()
         try:
-            cache = self.store.get(held.agent_id, prompt_tokens=held.prompt_tokens)
+            return held.cache.result()
         except Exception:
             log.exception("job %s: reading agent %s's cache failed: prefilling", held.id, held.agent_id)
-            cache = None
-        return cache, time.perf_counter() - started
+            return None
+        finally:
+            held.cache_load_s = time.perf_counter() - started
 
     # ---- engine output -----------------------------------------------------------------
 
@@ -345,18 +376,16 @@ class WorkerLoop:
             reason = traceback.format_exc()
             log.error("engine step failed; failing %d running job(s)", len(self.scheduler.running))
             for held in list(self.scheduler.running.values()):
-                self._fail(held, reason, retry=True)
+                self.end(held, Failed(ErrorCode.ENGINE_ERROR, reason, retry=True))
             return
         self._absorb(output)
 
     def _absorb(self, output: StepOutput) -> None:
-        wall, mono = time.time(), time.monotonic()
+        mono = time.monotonic()
         for delta in output.deltas:
-            held = self.scheduler.running.get(delta.uid)
+            held = self.scheduler.by_uid(delta.uid)
             if held is None:
                 continue
-            if held.first_token_at is None:
-                held.first_token_at = wall
             held.generated += 1
             self.publisher.delta(held.id, delta.text, delta.token)
             if mono - held.progress_at >= self.settings.progress_interval:
@@ -364,82 +393,155 @@ class WorkerLoop:
                 self.publisher.progress(held.job, generated_tokens=held.generated)
         self.counts["tokens"] += len(output.deltas)
         for completion in output.completions:
-            done = self.scheduler.finish(completion.uid)
-            if done is not None:
-                done.phase = "finishing"
-                self.finishing.append((done, completion))
+            held = self.scheduler.by_uid(completion.uid)
+            if held is not None:
+                self.end(held, Finished(completion))
+
+    # ---- the one ending path -------------------------------------------------------------
+
+    def end(self, held: HeldJob, outcome: Outcome) -> None:
+        """Decide how `held` ends: out of the scheduler and the engine now, written by `_flush`."""
+        if isinstance(outcome, Failed) and outcome.retry and not held.job.should_retry:
+            outcome = Failed(outcome.code, outcome.reason, retry=False)  # retry now means: rq will re-run it
+        self.scheduler.remove(held)
+        if held.uid is not None and not isinstance(outcome, Finished):
+            try:
+                self.engine.cancel(held.uid)  # frees its blocks; a no-op for a finished sequence
+            except Exception:
+                log.exception("engine.cancel(%d) failed for job %s", held.uid, held.id)
+        held.phase = "ending"
+        self.ending.append((held, outcome))
 
     def _flush(self) -> None:
+        """Publish buffered writes, then each decided ending; an outage leaves the rest for next time."""
         self.publisher.flush()
-        while self.finishing:
-            held, completion = self.finishing[0]
-            self._complete(held, completion)
-            self.finishing.popleft()
+        while self.ending:
+            held, outcome = self.ending[0]
+            self._write_ending(held, outcome)
+            self.ending.popleft()
 
-    def _complete(self, held: HeldJob, completion: Completion) -> None:
-        """Save the agent's cache, close the stream, finish the rq job: each once, even across outages."""
-        steps = held.finish_steps
+    def _write_ending(self, held: HeldJob, outcome: Outcome) -> None:
+        """Cache, stream, rq, agent turn: each step once, even when an outage interrupts them."""
+        steps = held.end_steps
         if "cache" not in steps:
-            if held.agent_id is not None and completion.cache is not None and self.store is not None:
-                self._save_cache(held, completion.cache)
+            self._save_cache(held, outcome)
+            self.scheduler.agent_done(held)  # its cache is in the store: the agent's next job may start
             steps.add("cache")
         if "stream" not in steps:
-            self.publisher.end(held.id, completion.finish_reason)
-            self.publisher.progress(held.job, phase="finished", generated_tokens=len(completion.token_ids))
-            self.publisher.flush()
+            self._publish_ending(held.job, outcome, held)
             steps.add("stream")
         if "rq" not in steps:
-            result = build_result(held, completion, model=self.model_name, worker=self.worker.name)
-            rqexec.finish_job(self.worker, held.job, held.queue, held.execution, result)
+            if not self._record_in_rq(held.job, held.queue, held.execution, outcome, held):
+                outcome = TakenOver(None)
             steps.add("rq")
-            self.counts["finished"] += 1
+        if "turn" not in steps:
+            self._end_turn(held, outcome)
+            steps.add("turn")
+        self.counts[_counter(outcome)] += 1
+        self._log_ending(held, outcome)
+
+    def _save_cache(self, held: HeldJob, outcome: Outcome) -> None:
+        if not isinstance(outcome, Finished) or held.agent_id is None or self.store is None:
+            return
+        cache = outcome.completion.cache
+        if cache is None:
+            return
+        try:
+            self.saving.append((held, self.store.put(held.agent_id, cache, fence=held.fence)))
+        except Exception:
+            # The answer is good; only the next turn's warm start is lost.
+            log.exception("job %s: saving agent %s's cache failed", held.id, held.agent_id)
+            self.counts["cache_put_failed"] += 1
+
+    def _publish_ending(self, job: Job, outcome: Outcome, held: HeldJob | None = None) -> None:
+        progress: dict[str, Any] = {"phase": outcome.phase}
+        if isinstance(outcome, Finished):
+            self.publisher.end(job.id, outcome.completion.finish_reason)
+            progress["generated_tokens"] = len(outcome.completion.token_ids)
+        elif isinstance(outcome, Failed) and not outcome.retry:
+            job.meta[ERROR_META_KEY] = {"code": outcome.code, "message": outcome.message}
+            self.publisher.error(job.id, outcome.message)
+        elif isinstance(outcome, Canceled):
+            self.publisher.end(job.id, "canceled")
+        if not isinstance(outcome, TakenOver):
+            self.publisher.progress(job, **progress)
+        self.publisher.flush()
+
+    def _record_in_rq(
+        self,
+        job: Job,
+        queue: Queue,
+        execution: rqexec.Execution,
+        outcome: Outcome,
+        held: HeldJob | None = None,
+    ) -> bool:
+        """The rq side of an ending; False when the job turned out to be no longer ours."""
+        if isinstance(outcome, Finished):
+            assert held is not None
+            result = build_result(held, outcome.completion, model=self.model_name, worker=self.worker.name)
+            return rqexec.finish_job(self.worker, job, queue, execution, result)
+        if isinstance(outcome, Failed):
+            rqexec.fail_job(self.worker, job, queue, execution, outcome.reason, retry=outcome.retry)
+        elif isinstance(outcome, Canceled):
+            rqexec.cancel_job(self.worker, job, queue, execution)
+        elif isinstance(outcome, HandedBack):
+            rqexec.requeue_job(self.worker, job, queue, execution, at_front=True)
+        else:
+            rqexec.drop_execution(self.worker, job, execution)
+        return True
+
+    def _end_turn(self, held: HeldJob, outcome: Outcome) -> None:
+        """Leave the agent's line unless the job runs again; free its lock unless its put is pending."""
+        agent = held.agent_id
+        if agent is None:
+            return
+        runs_again = isinstance(outcome, HandedBack | TakenOver) or (
+            isinstance(outcome, Failed) and outcome.retry
+        )
+        if not runs_again:
+            self.turns.leave(agent, held.id)
+        self._release_saved_turns()
+        if not any(saving is held for saving, _ in self.saving):
+            self.turns.release(agent, held.id)
+
+    def _release_saved_turns(self, force: bool = False) -> None:
+        """Free the agent locks of jobs whose cache is now durable (or whose put failed)."""
+        still: list[tuple[HeldJob, Future[bool]]] = []
+        for held, put in self.saving:
+            if not put.done() and not force:
+                still.append((held, put))
+                continue
+            try:
+                if put.done() and put.result() is False:
+                    self.counts["stale_puts"] += 1
+            except Exception as exc:
+                log.warning("job %s: agent %s's cache was not saved: %s", held.id, held.agent_id, exc)
+                self.counts["cache_put_failed"] += 1
+            assert held.agent_id is not None
+            self.turns.release(held.agent_id, held.id)
+        self.saving = still
+
+    def _log_ending(self, held: HeldJob, outcome: Outcome) -> None:
+        if isinstance(outcome, Finished):
+            c = outcome.completion
             log.info(
                 "job %s (agent %s) %s: %d tokens, %d of %d prompt tokens reused",
                 held.id,
                 held.agent_id,
-                completion.finish_reason,
-                len(completion.token_ids),
-                completion.usage.reused_tokens,
-                completion.usage.prompt_tokens,
+                c.finish_reason,
+                len(c.token_ids),
+                c.usage.reused_tokens,
+                c.usage.prompt_tokens,
             )
-        self._release_lock(held)
+        elif isinstance(outcome, Failed):
+            retry = " (will retry)" if outcome.retry else ""
+            log.warning("job %s failed%s [%s]: %s", held.id, retry, outcome.code, outcome.reason.strip())
+        elif isinstance(outcome, TakenOver):
+            log.warning("job %s is %s now, no longer ours: dropped it", held.id, outcome.status)
+        else:
+            log.info("job %s %s", held.id, outcome.phase)
 
-    def _save_cache(self, held: HeldJob, cache: AgentCache) -> None:
-        assert held.agent_id is not None and self.store is not None
-        try:
-            self.store.put(held.agent_id, cache)
-        except Exception:
-            # The answer is good; only the next turn's warm start is lost.
-            log.exception("job %s: saving agent %s's cache failed", held.id, held.agent_id)
-
-    # ---- ending jobs early -------------------------------------------------------------
-
-    def _release_lock(self, held: HeldJob) -> None:
-        if held.agent_id is not None:
-            self.locks.release(held.agent_id, held.id)
-
-    def _remove(self, held: HeldJob) -> None:
-        """Take a held job out of the scheduler and the engine (its blocks are freed)."""
-        if held.uid is not None and held.uid in self.scheduler.running:
-            self.scheduler.finish(held.uid)
-            try:
-                self.engine.cancel(held.uid)
-            except Exception:
-                log.exception("engine.cancel(%d) failed for job %s", held.uid, held.id)
-        elif held in self.scheduler.waiting:
-            self.scheduler.drop_waiting(held)
-
-    def _fail(self, held: HeldJob, reason: str, *, retry: bool) -> None:
-        self._remove(held)
-        will_retry = retry and held.job.should_retry
-        log.warning("job %s failed%s: %s", held.id, " (will retry)" if will_retry else "", reason.strip())
-        if not will_retry:
-            self.publisher.error(held.id, reason.strip().splitlines()[-1])
-        self.publisher.progress(held.job, phase="failed")
-        self.publisher.flush()
-        rqexec.fail_job(self.worker, held.job, held.queue, held.execution, reason, retry=retry)
-        self._release_lock(held)
-        self.counts["failed"] += 1
+    # ---- ending jobs early ---------------------------------------------------------------
 
     def _take_commands(self) -> None:
         while True:
@@ -453,34 +555,15 @@ class WorkerLoop:
 
     def _apply_cancels(self) -> None:
         for held in [h for h in self.scheduler.all() if h.cancel_requested]:
-            self._remove(held)
-            self.publisher.end(held.id, "cancelled")
-            self.publisher.progress(held.job, phase="canceled")
-            self.publisher.flush()
-            rqexec.cancel_job(self.worker, held.job, held.queue, held.execution)
-            self._release_lock(held)
-            self.counts["canceled"] += 1
-            log.info("job %s canceled", held.id)
+            self.end(held, Canceled())
 
     def _enforce_timeouts(self) -> None:
         now = time.monotonic()
         for held in list(self.scheduler.running.values()):
             timeout = held.timeout_s
             if timeout is not None and held.admitted_mono is not None and now - held.admitted_mono > timeout:
-                self._fail(
-                    held,
-                    f"JobTimeoutException: Job exceeded maximum timeout value ({timeout:.0f} seconds)",
-                    retry=True,
-                )
-
-    def _requeue(self, held: HeldJob) -> None:
-        self._remove(held)
-        self.publisher.progress(held.job, phase="requeued")
-        self.publisher.flush()
-        rqexec.requeue_job(self.worker, held.job, held.queue, held.execution, at_front=True)
-        self._release_lock(held)
-        self.counts["requeued"] += 1
-        log.info("job %s handed back to queue %s", held.id, held.queue.name)
+                reason = f"JobTimeoutException: Job exceeded maximum timeout value ({timeout:.0f} seconds)"
+                self.end(held, Failed(ErrorCode.TIMEOUT, reason, retry=True))
 
     def _drain(self) -> None:
         """Waiting jobs go back at once, running ones when the drain timeout is up.
@@ -491,42 +574,47 @@ class WorkerLoop:
         back = list(self.scheduler.waiting)
         if self.force_stop or time.monotonic() >= self.drain_deadline:
             back += list(self.scheduler.running.values())
-        for held in sorted(back, key=lambda h: h.enqueued_at, reverse=True):
-            self._requeue(held)
+        for held in sorted(back, key=lambda h: h.first_enqueued_at, reverse=True):
+            self.end(held, HandedBack())
 
     # ---- liveness ----------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
         held = self.scheduler.all()
         signals = rqexec.heartbeat(self.worker, [(h.job, h.execution) for h in held], self.worker_fields())
-        running_agents = {h.agent_id: h.id for h in self.scheduler.running.values() if h.agent_id is not None}
-        for agent in self.locks.refresh(running_agents):
-            log.warning("agent %s: lock taken over by another worker while its job runs here", agent)
+        for agent in self.turns.refresh():
+            log.warning("agent %s: lock taken over elsewhere while this worker held it", agent)
         for h in held:
             sig = signals[h.id]
             if sig.cancel_requested or sig.status == JobStatus.CANCELED:
                 h.cancel_requested = True
             elif not sig.still_ours:
-                # Another process decided about this job (abandoned-job cleanup, deletion): let go.
-                log.warning("job %s is %s now, no longer ours: dropping it", h.id, sig.status)
-                self._remove(h)
-                rqexec.drop_execution(self.worker, h.job, h.execution)
-                self._release_lock(h)
+                self.end(h, TakenOver(sig.status))
         self.next_heartbeat = time.monotonic() + self.settings.heartbeat_interval
 
     def worker_fields(self) -> dict[str, str | int]:
         """What kvrq adds to its rq worker hash: capacity for producers, load for `kvrq status`."""
         return {
             CAPACITY_FIELD: self.settings.held_limit,
-            "kvrq_model": self.model_name,
-            "kvrq_max_batch": self.settings.max_batch,
-            "kvrq_pool_blocks": self.engine.pool.total_blocks,
-            "kvrq_free_blocks": self.engine.pool.free_blocks,
-            "kvrq_running": len(self.scheduler.running),
-            "kvrq_waiting": len(self.scheduler.waiting),
+            MODEL_FIELD: self.model_name,
+            MAX_BATCH_FIELD: self.settings.max_batch,
+            POOL_BLOCKS_FIELD: self.engine.pool.total_blocks,
+            FREE_BLOCKS_FIELD: self.engine.pool.free_blocks,
+            RUNNING_FIELD: len(self.scheduler.running),
+            WAITING_FIELD: len(self.scheduler.waiting),
         }
 
+    def _check_crashes(self) -> None:
+        names = [q.name for q in self.worker.queues]
+        rerun_crashed(self.connection, names, crash_reruns=self.settings.crash_reruns)
+        self.next_crash_check = time.monotonic() + self.settings.crash_check_interval
+
     def _maintenance(self) -> None:
-        clean_queues(self.connection, [q.name for q in self.worker.queues])
+        names = [q.name for q in self.worker.queues]
+        clean_queues(self.connection, names, crash_reruns=self.settings.crash_reruns)
         self.next_maintenance = time.monotonic() + self.settings.maintenance_interval
         log.debug("held %d, counts %s", len(self.scheduler), self.counts)
+
+
+def _counter(outcome: Outcome) -> str:
+    return "dropped" if isinstance(outcome, TakenOver) else outcome.phase

@@ -6,31 +6,31 @@ The loop is written against these, so unit tests can drive it with a small fake 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from engine.admission import Admission
     from engine.blocks import AgentCache, BlockPool
+    from engine.params import SamplingParams
     from engine.results import Completion, StepOutput
-    from engine.spec import ModelCacheSpec
 
 
 class Engine(Protocol):
-    spec: ModelCacheSpec
     pool: BlockPool
     tokenizer: Any
+
+    def admission(self, n_prompt_tokens: int, max_tokens: int) -> Admission: ...
+
+    def free_slots(self) -> int: ...
 
     def submit(
         self,
         agent_id: str | None,
         prompt_tokens: Sequence[int],
+        params: SamplingParams,
         *,
         cache: AgentCache | None = None,
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_tokens: Sequence[int] = (),
         keep_cache: bool = True,
     ) -> int: ...
 
@@ -40,16 +40,16 @@ class Engine(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def active(self) -> int: ...
-
-    def can_admit(self, n_prompt_tokens: int, max_tokens: int) -> bool: ...
-
-    def free_slots(self) -> int: ...
+    def close(self) -> None: ...
 
 
 class Store(Protocol):
-    def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None: ...
+    def prefetch(self, agent_id: str, *, prompt_tokens: Sequence[int]) -> Future[AgentCache | None]:
+        """The agent's cache (prefix shared with the prompt), read and decoded off the caller's thread."""
+        ...
 
-    def put(self, agent_id: str, cache: AgentCache) -> None: ...
+    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> Future[bool]:
+        """Returns at once; the future is True once every worker's get sees the cache (False: stale)."""
+        ...
 
     def close(self) -> None: ...

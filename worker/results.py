@@ -17,8 +17,8 @@ def build_result(held: HeldJob, completion: Completion, *, model: str, worker: s
     ended = time.time()
     start = held.enqueued_at
     admitted = held.admitted_at if held.admitted_at is not None else ended
-    # As a direct caller of the engine sees it: submit() accepted the job .. step() returned its first token.
-    engine_ttft = None if held.first_token_at is None else max(0.0, held.first_token_at - admitted)
+    # The engine's own measure: submit() accepted the sequence .. step() returned its first token.
+    engine_ttft = completion.time_to_first_token_s
     result = GenerationResult(
         job_id=held.id,
         agent_id=held.agent_id,
@@ -28,9 +28,7 @@ def build_result(held: HeldJob, completion: Completion, *, model: str, worker: s
         usage=Usage(**asdict(completion.usage)),
         timings=Timings(
             queued_s=max(0.0, admitted - start),
-            time_to_first_token_s=None
-            if held.first_token_at is None
-            else max(0.0, held.first_token_at - start),
+            time_to_first_token_s=None if engine_ttft is None else max(0.0, admitted - start) + engine_ttft,
             total_s=max(0.0, ended - start),
             cache_load_s=held.cache_load_s,
             engine_time_to_first_token_s=engine_ttft,

@@ -1,9 +1,10 @@
 """rq bookkeeping for a worker that holds many jobs at once: one rq execution per held job.
 
 rq's own workers run one job at a time in a forked horse; this worker runs them all in one
-engine loop, so it drives rq's execution API itself. Everything that touches rq internals
-is in this module; the one private call (`_finalize_success`) is in `finish_job`, and
-pyproject pins rq to 3.0.x for it.
+engine loop, so it drives rq's execution API itself. Every use of rq internals in kvrq is
+in this module (private calls: `_finalize_success` in `finish_job`, `Queue._enqueue_job`
+nowhere, the registry and execution layouts through rq's own classes); pyproject pins rq
+to 3.0.x and tests/worker/test_rqexec.py fails loudly when the pinned rq changes them.
 """
 
 from __future__ import annotations
@@ -23,11 +24,21 @@ from rq.command import parse_payload
 from rq.exceptions import InvalidJobOperation
 from rq.executions import Execution
 from rq.job import Job, JobStatus
+from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
+from rq.serializers import resolve_serializer
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
+from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
-from producer.protocol import SERIALIZER, cancel_key
+from producer.protocol import (
+    CRASH_BUDGET_META_KEY,
+    CRASHES_META_KEY,
+    ERROR_META_KEY,
+    SERIALIZER,
+    ErrorCode,
+    cancel_key,
+)
 
 log = logging.getLogger("kvrq.worker")
 
@@ -89,19 +100,36 @@ def start_job(worker: KvrqWorker, job: Job, queue: Queue) -> Execution:
 
 def finish_job(
     worker: KvrqWorker, job: Job, queue: Queue, execution: Execution, result: dict[str, Any]
-) -> None:
+) -> bool:
     """Finish the job with `result` as its rq return value (FinishedJobRegistry, Result stream).
 
+    False, and nothing written, when the execution is no longer ours (re-run elsewhere after
+    this worker was taken for dead): a job gets one result, never two.
     rq has no public call for "this execution returned this value" outside its own
     fork loop; `_finalize_success` is that call (stable across rq 2.x-3.0).
     """
+    if not owns_execution(worker.connection, job, execution):
+        return False
     worker._finalize_success(job, queue, execution, result)
+    return True
+
+
+def owns_execution(connection: Redis, job: Job, execution: Execution) -> bool:
+    """Whether `execution` is still the job's live run (in the StartedJobRegistry, job STARTED)."""
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.zscore(job.started_job_registry.key, execution.composite_key)
+        pipe.hget(job.key, "status")
+        score, status = pipe.execute()
+    return score is not None and _text(status) == JobStatus.STARTED
 
 
 def fail_job(
     worker: KvrqWorker, job: Job, queue: Queue, execution: Execution | None, reason: str, *, retry: bool
 ) -> None:
-    """Fail the job with `reason` (rq's exc_string); with `retry` rq re-queues it while retries are left."""
+    """Fail the job with `reason` (rq's exc_string); with `retry` rq re-queues it while retries are left.
+
+    The structured error (job.meta[ERROR_META_KEY]) is written by the caller before this.
+    """
     if not retry:
         job.retries_left = 0  # a bad request stays bad: never retried
     job.ended_at = now()
@@ -110,10 +138,15 @@ def fail_job(
     worker.handle_job_failure(job, queue, exc_string=reason, execution=execution)
 
 
-def reject_job(worker: KvrqWorker, job: Job, queue: Queue, reason: str) -> None:
-    """Fail a dequeued job that can never run, before it is started (bad payload)."""
+def start_rejected(worker: KvrqWorker, job: Job, queue: Queue) -> Execution:
+    """An execution for a dequeued job that will only be failed (its payload may not even decode)."""
     execution = worker.prepare_execution(job)
-    fail_job(worker, job, queue, execution, reason, retry=False)
+    queue.intermediate_queue.remove(job.id)
+    return execution
+
+
+def forget_dequeued(job: Job, queue: Queue) -> None:
+    """Let go of a dequeued job that needs nothing more (canceled while queued)."""
     queue.intermediate_queue.remove(job.id)
 
 
@@ -151,10 +184,11 @@ class JobSignals:
 
     status: str | None  # None: the job hash is gone
     cancel_requested: bool
+    registered: bool  # our execution is still in the StartedJobRegistry
 
     @property
     def still_ours(self) -> bool:
-        return self.status == JobStatus.STARTED
+        return self.status == JobStatus.STARTED and self.registered
 
 
 def heartbeat(
@@ -171,15 +205,17 @@ def heartbeat(
         for job, execution in held:
             execution.heartbeat(job.started_job_registry, ttl, pipeline=pipe)
         marks = len(pipe)
-        for job, _ in held:
+        for job, execution in held:
             pipe.hget(job.key, "status")
             pipe.exists(cancel_key(job.id))
+            pipe.zscore(job.started_job_registry.key, execution.composite_key)
         replies = pipe.execute()[marks:]
     signals = {}
     for index, (job, _) in enumerate(held):
-        raw_status, flag = replies[2 * index], replies[2 * index + 1]
-        status = raw_status.decode() if isinstance(raw_status, bytes) else raw_status
-        signals[job.id] = JobSignals(status=status, cancel_requested=bool(flag))
+        raw_status, flag, score = replies[3 * index : 3 * index + 3]
+        signals[job.id] = JobSignals(
+            status=_text(raw_status), cancel_requested=bool(flag), registered=score is not None
+        )
     return signals
 
 
@@ -187,3 +223,96 @@ def set_busy(worker: KvrqWorker, busy: bool) -> None:
     state = WorkerStatus.BUSY if busy else WorkerStatus.IDLE
     if worker.get_state() != state:
         worker.set_state(state)
+
+
+# ---- crash re-runs (a dead worker's executions, found by worker/maintenance.py) --------------
+
+
+def started_executions(queue: Queue) -> list[Execution]:
+    """Every execution in the queue's StartedJobRegistry (no cleanup: that would fail them as abandoned)."""
+    executions = []
+    for job_id, execution_id in queue.started_job_registry.get_job_and_execution_ids(cleanup=False):
+        execution = Execution(id=execution_id, job_id=job_id, connection=queue.connection)
+        with contextlib.suppress(ValueError):  # its hash expired: no worker name, still an orphan
+            execution.refresh()
+        executions.append(execution)
+    return executions
+
+
+def heartbeat_expired(queue: Queue, execution: Execution, at: float) -> bool:
+    score = queue.connection.zscore(queue.started_job_registry.key, execution.composite_key)
+    return score is not None and float(score) < at
+
+
+def rerun_after_crash(queue: Queue, execution: Execution, *, default_budget: int, why: str) -> str:
+    """Re-queue (at the front) or fail the job of a dead worker's execution; returns what happened.
+
+    Each crash re-run spends the job's own crash budget (job.meta[CRASH_BUDGET_META_KEY], else
+    `default_budget`), separate from rq's `retries`. A job past it (poison: it keeps killing its
+    workers) fails with ErrorCode.WORKER_CRASHED instead of taking the fleet down in a loop.
+    """
+    connection = queue.connection
+    try:
+        job = Job.fetch(execution.job_id, connection=connection, serializer=SERIALIZER)
+    except Exception:  # gone or unreadable: only the registry entry is left to remove
+        connection.zrem(queue.started_job_registry.key, execution.composite_key)
+        return "gone"
+    if job.get_status(refresh=False) != JobStatus.STARTED:
+        with connection.pipeline() as pipe:
+            execution.delete(job, pipeline=pipe)
+            pipe.execute()
+        return "not-started"
+    crashes = int(job.meta.get(CRASHES_META_KEY, 0)) + 1
+    budget = job.meta.get(CRASH_BUDGET_META_KEY, default_budget)
+    budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else 2
+    job.meta[CRASHES_META_KEY] = crashes
+    serializer = resolve_serializer(SERIALIZER)
+    with connection.pipeline() as pipe:
+        if crashes <= budget:
+            job.started_at = None
+            job.ended_at = None
+            job.worker_name = None
+            queue.enqueue_job(job, pipeline=pipe, at_front=True)  # first: it opens the MULTI
+            execution.delete(job, pipeline=pipe)
+            outcome = "requeued"
+        else:
+            message = (
+                f"its worker died {crashes} times while running it ({why}); crash budget of {budget} "
+                "re-runs spent: failing it so it cannot take more workers down"
+            )
+            job.meta[ERROR_META_KEY] = {"code": ErrorCode.WORKER_CRASHED, "message": message}
+            pipe.multi()
+            execution.delete(job, pipeline=pipe)
+            job.ended_at = now()
+            record_job_failure(job, f"WorkerCrashedError: {message}", pipe)
+            outcome = "failed"
+        pipe.hset(job.key, "meta", serializer.dumps(job.meta))
+        pipe.execute()
+    return outcome
+
+
+def forget_worker(connection: Redis, worker_name: str, queue_names: list[str]) -> None:
+    """Remove a dead worker's rq record, so `rq info` and dashboards stop listing it."""
+    key = worker_key(worker_name)
+    with connection.pipeline() as pipe:
+        pipe.delete(key)
+        pipe.srem(REDIS_WORKER_KEYS, key)
+        for name in queue_names:
+            pipe.srem(WORKERS_BY_QUEUE_KEY % name, key)
+        pipe.execute()
+
+
+def worker_key(worker_name: str) -> str:
+    return f"{BaseWorker.redis_worker_namespace_prefix}{worker_name}"
+
+
+def is_kvrq_worker(connection: Redis, worker_name: str, marker_field: str) -> bool | None:
+    """True/False from the worker's rq hash; None when the hash is gone."""
+    key = worker_key(worker_name)
+    if not connection.exists(key):
+        return None
+    return connection.hexists(key, marker_field)
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value

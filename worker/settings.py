@@ -51,6 +51,15 @@ class WorkerSettings(BaseSettings):
     heartbeat_ttl: int = Field(
         default=90, gt=1, description="seconds without heartbeat before a job is abandoned"
     )
+    liveness_ttl: float = Field(
+        default=10.0, gt=0, description="seconds after a worker's death until others see it gone"
+    )
+    crash_check_interval: float = Field(
+        default=5.0, gt=0, description="seconds between checks for jobs of dead workers"
+    )
+    crash_reruns: int = Field(
+        default=2, ge=0, description="re-runs of a job whose worker died (per job: meta kvrq_crash_reruns)"
+    )
     maintenance_interval: float = Field(
         default=60.0, gt=0, description="seconds between abandoned-job cleanups"
     )

@@ -7,11 +7,14 @@ BOOM (submit raises), STEPFAIL (the next step raises).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from engine.admission import Admission
 from engine.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.errors import InvalidRequestError
+from engine.params import SamplingParams
 from engine.results import Completion, StepOutput, TokenDelta, Usage
 from engine.spec import LayerSpec, ModelCacheSpec
 
@@ -26,6 +29,7 @@ SPEC = ModelCacheSpec(
     block_tokens=4,
 )
 EOS = 0
+T = TypeVar("T")
 
 
 class FakeTokenizer:
@@ -72,13 +76,21 @@ class FakeEngine:
     def free_slots(self) -> int:
         return self.max_batch - len(self._seqs)
 
-    def can_admit(self, n_prompt_tokens: int, max_tokens: int) -> bool:
-        return self.free_slots() > 0 and self.pool.can_allocate(
-            self.spec.blocks_for(n_prompt_tokens + max_tokens)
-        )
+    def admission(self, n_prompt_tokens: int, max_tokens: int) -> Admission:
+        needed = self.spec.blocks_for(n_prompt_tokens + max_tokens)
+        if n_prompt_tokens + max_tokens > self.max_context or needed > self.pool.total_blocks:
+            return Admission("never", "too large")
+        if self.free_slots() <= 0:
+            return Admission("later", "no free slot")
+        if not self.pool.can_allocate(needed):
+            return Admission("later", "KV blocks")
+        return Admission("now")
 
     def active(self) -> int:
         return len(self._seqs)
+
+    def close(self) -> None:
+        pass
 
     def has_work(self) -> bool:
         return bool(self._seqs)
@@ -87,17 +99,13 @@ class FakeEngine:
         self,
         agent_id: str | None,
         prompt_tokens: Sequence[int],
+        params: SamplingParams,
         *,
         cache: AgentCache | None = None,
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_tokens: Sequence[int] = (),
         keep_cache: bool = True,
     ) -> int:
         prompt = list(prompt_tokens)
+        max_tokens = params.max_tokens
         text = self.tokenizer.decode(prompt)
         if "BOOM" in text:
             raise RuntimeError("kaboom in submit")
@@ -131,13 +139,13 @@ class FakeEngine:
 
     def cancel(self, uid: int) -> Completion | None:
         seq = self._seqs.get(uid)
-        return None if seq is None else self._finish(seq, "cancelled")
+        return None if seq is None else self._finish(seq, "canceled")
 
     def _finish(self, seq: _Seq, reason: str) -> Completion:
         del self._seqs[seq.uid]
         self.pool.free(seq.uid)
         tokens = seq.prompt + seq.generated
-        cache = None if reason == "cancelled" else AgentCache(SPEC, tokens, [])
+        cache = None if reason == "canceled" else AgentCache(SPEC, tokens, [])
         return Completion(
             uid=seq.uid,
             agent_id=seq.agent_id,
@@ -160,9 +168,19 @@ class DictStore:
     def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
         return self.caches.get(agent_id)
 
-    def put(self, agent_id: str, cache: AgentCache) -> None:
+    def prefetch(self, agent_id: str, *, prompt_tokens: Sequence[int]) -> Future[AgentCache | None]:
+        return done(self.get(agent_id, prompt_tokens=prompt_tokens))
+
+    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> Future[bool]:
         self.caches[agent_id] = cache
         self.puts.append(agent_id)
+        return done(True)
 
     def close(self) -> None:
         self.closed = True
+
+
+def done(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future

@@ -41,7 +41,7 @@ class Harness:
             ["kvrq"], connection=fake_redis(self.server), heartbeat_ttl=self.settings.heartbeat_ttl
         )
         worker.register_birth()
-        return WorkerLoop(
+        loop = WorkerLoop(
             engine=self.engine,
             store=self.store,
             rq_worker=worker,
@@ -49,6 +49,8 @@ class Harness:
             model_name="fake",
             idle_wait_s=0,
         )
+        loop.beacon.beat()  # alive, without the beacon's thread: tests delete the key to "kill" it
+        return loop
 
     def run_until(self, done: Callable[[], bool], max_iterations: int = 500) -> None:
         for _ in range(max_iterations):
@@ -189,7 +191,7 @@ def test_cancel_queued_and_running_jobs_frees_blocks(h: Harness) -> None:
     assert not h.engine.has_work()
     with pytest.raises(JobCanceledError):
         running.result(timeout=1)
-    assert list(running.events(timeout=1))[-1].finish_reason == "cancelled"
+    assert list(running.events(timeout=1))[-1].finish_reason == "canceled"
     assert running.cancel() is False
     h.run_until(lambda: not h.redis.llen("rq:queue:kvrq"), 5)
     assert h.engine.submitted[-1][1] != list(b"y")  # the canceled queued job never reached the engine
@@ -255,28 +257,26 @@ def test_drain_lets_running_jobs_finish_within_the_timeout() -> None:
     assert h.store.closed
 
 
-def test_abandoned_jobs_are_requeued_or_failed(h: Harness) -> None:
-    retried = h.producer.submit({"prompt": "x", "max_tokens": 1000, "retries": 1})
-    failed = h.producer.submit({"prompt": "y", "max_tokens": 1000})
+def test_jobs_whose_heartbeat_expired_are_rerun_from_their_crash_budget(h: Harness) -> None:
+    # A live worker (its liveness key is set) whose loop stopped heartbeating its jobs.
+    job = h.producer.submit({"prompt": "x", "max_tokens": 1000})
     h.loop.run_once()
-    assert h.statuses([retried, failed]) == ["started", "started"]
-    # The worker dies (no more heartbeats); later, maintenance finds the heartbeats expired.
     report = clean_queues(h.redis, ["kvrq"], now=time.time() + 3600)
-    assert sorted(report.abandoned["kvrq"]) == sorted([retried.id, failed.id])
-    assert h.statuses([retried, failed]) == ["queued", "failed"]
-    with pytest.raises(JobFailedError, match="AbandonedJobError"):
-        failed.result(timeout=1)
+    assert report.rerun["kvrq"] == [job.id]
+    assert job.status() == "queued"
+    assert job.job().get_meta()["kvrq_crashes"] == 1
 
 
-def test_heartbeat_lets_go_of_a_job_taken_over_elsewhere(h: Harness) -> None:
-    job = h.producer.submit({"prompt": "x", "max_tokens": 1000, "retries": 1})
+def test_heartbeat_lets_go_of_a_job_rerun_elsewhere(h: Harness) -> None:
+    job = h.producer.submit({"prompt": "x", "max_tokens": 1000})
     h.loop.run_once()
-    clean_queues(h.redis, ["kvrq"], now=time.time() + 3600)  # declared abandoned while alive
+    clean_queues(h.redis, ["kvrq"], now=time.time() + 3600)  # declared stuck while alive
     assert job.status() == "queued"
     time.sleep(0.06)
-    h.loop.run_once()  # heartbeat notices, lets go, and dequeues it again
+    h.loop.run_once()  # heartbeat notices its execution is gone, lets go, and dequeues it again
     assert len(h.loop.scheduler) == 1
     assert job.status() == "started"
+    assert h.loop.counts["dropped"] == 1
 
 
 def test_redis_outage_loses_nothing(h: Harness) -> None:

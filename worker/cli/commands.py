@@ -9,18 +9,23 @@ from typing import IO, Any
 
 from redis import Redis
 from rq import Queue
-from rq.executions import Execution
-from rq.registry import StartedJobRegistry
 from rq.worker import BaseWorker, Worker
 
 from producer.client import JobFailedError, JobHandle, Producer, ResultTimeoutError
+from producer.liveness import WorkerWatch, live_workers
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import SERIALIZER
+from producer.protocol import (
+    CAPACITY_FIELD,
+    FREE_BLOCKS_FIELD,
+    MAX_BATCH_FIELD,
+    MODEL_FIELD,
+    POOL_BLOCKS_FIELD,
+    RUNNING_FIELD,
+    SERIALIZER,
+    WAITING_FIELD,
+    worker_alive_key,
+)
 from worker.maintenance import clean_queues
-
-
-def workers_on(connection: Redis, queue: str) -> list[BaseWorker]:
-    return [w for w in Worker.all(connection=connection, serializer=SERIALIZER) if queue in w.queue_names()]
 
 
 def generate(
@@ -32,29 +37,31 @@ def generate(
     out: IO[str] = sys.stdout,
     err: IO[str] = sys.stderr,
 ) -> int:
-    """Enqueue one request, stream its text to `out`, then one line of figures to `err`."""
+    """Enqueue one request, stream its text to `out`, then one line of figures to `err`.
+
+    While the job waits in a queue no live worker listens on, says so on `err` after a few seconds.
+    """
     with Producer(redis_url, queue) as producer:
-        if not workers_on(producer.connection, request.queue or queue):
-            print(
-                f"(no kvrq worker listens on queue {request.queue or queue}: the job waits for one)", file=err
-            )
         started = time.perf_counter()
         handle = producer.submit(request)
+        watch = WorkerWatch(
+            producer.connection, request.queue or queue, lambda text: print(f"({text})", file=err)
+        )
         first: float | None = None
         try:
-            for text in handle.stream(timeout=timeout):
+            for text in handle.stream(timeout=timeout, on_wait=watch.check):
                 if first is None:
                     first = time.perf_counter() - started
                 out.write(text)
                 out.flush()
             out.write("\n")
-            result = handle.result(timeout=timeout)
+            result = handle.result(timeout=timeout, on_wait=watch.check)
         except KeyboardInterrupt:
             handle.cancel()
             print(f"\n(canceled job {handle.id})", file=err)
             return 130
         except JobFailedError as exc:
-            print(f"\njob {handle.id} {exc.status}: {exc.reason}", file=err)
+            print(f"\njob {handle.id} {exc.status} ({exc.code}): {exc.reason}", file=err)
             return 1
         except ResultTimeoutError as exc:
             print(f"\n{exc}", file=err)
@@ -75,41 +82,58 @@ def summary_line(result: GenerationResult, client_ttft: float | None = None) -> 
 
 
 def status(redis_url: str, queues: list[str] | None, out: IO[str] = sys.stdout) -> int:
+    """Per queue its depth by registry and how many live workers listen; per worker what it holds."""
     connection = Redis.from_url(redis_url)
     names = queues or sorted(q.name for q in Queue.all(connection=connection, serializer=SERIALIZER))
     if not names:
         print("no queues yet", file=out)
     for name in names:
         queue = Queue(name, connection=connection, serializer=SERIALIZER)
+        listening = len(live_workers(connection, name))
         print(
             f"queue {name}: {queue.count} queued, {queue.started_job_registry.count} started, "
             f"{queue.finished_job_registry.count} finished, {queue.failed_job_registry.count} failed, "
-            f"{queue.canceled_job_registry.count} canceled",
+            f"{queue.canceled_job_registry.count} canceled; "
+            + (f"{listening} live worker(s) listen" if listening else "no live worker listens"),
             file=out,
         )
     workers = Worker.all(connection=connection, serializer=SERIALIZER)
     if not workers:
         print("no workers", file=out)
     for worker in sorted(workers, key=lambda w: w.name):
-        print(_worker_line(connection, worker), file=out)
+        print("\n".join(worker_lines(connection, worker)), file=out)
     return 0
 
 
-def _worker_line(connection: Redis, worker: BaseWorker) -> str:
+#: Job ids `kvrq status` lists per worker; more are counted, not listed.
+MAX_LISTED_JOBS = 8
+
+
+def worker_lines(connection: Redis, worker: BaseWorker) -> list[str]:
+    """A worker's state and what it holds: kvrq's fields in its rq worker hash, and its rq executions."""
     raw: Any = connection.hgetall(worker.key)
-    extra = {_text(k): _text(v) for k, v in raw.items() if _text(k).startswith("kvrq_")}
-    held = len(worker.get_current_executions(refresh=True))
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    job_ids = [execution.job_id for execution in worker.get_current_executions(refresh=True)]
     beat = worker.last_heartbeat
     ago = f"{(datetime.now(timezone.utc) - beat).total_seconds():.0f} s ago" if beat else "never"
-    kind = (
-        f"model {extra['kvrq_model']}, max_batch {extra.get('kvrq_max_batch')}"
-        if extra
-        else "plain rq worker"
-    )
-    return (
-        f"worker {worker.name} ({worker.hostname}, pid {worker.pid}): {worker.get_state()}, {held} held, "
-        f"queues {','.join(worker.queue_names())}, {kind}, last heartbeat {ago}"
-    )
+    if MODEL_FIELD in fields:
+        holds = (
+            f"holds {fields.get(RUNNING_FIELD, '?')} running + {fields.get(WAITING_FIELD, '?')} waiting "
+            f"(capacity {fields.get(CAPACITY_FIELD, '?')}, max_batch {fields.get(MAX_BATCH_FIELD, '?')}), "
+            f"KV pool {fields.get(FREE_BLOCKS_FIELD, '?')}/{fields.get(POOL_BLOCKS_FIELD, '?')} blocks free, "
+            f"model {fields[MODEL_FIELD]}"
+        )
+    else:
+        holds = f"plain rq worker, {len(job_ids)} execution(s)"
+    lines = [
+        f"worker {worker.name} ({worker.hostname}, pid {worker.pid}): {worker.get_state()}, {holds}, "
+        f"queues {','.join(worker.queue_names())}, last heartbeat {ago}"
+    ]
+    if job_ids:
+        listed = ", ".join(job_ids[:MAX_LISTED_JOBS])
+        more = f" (+{len(job_ids) - MAX_LISTED_JOBS} more)" if len(job_ids) > MAX_LISTED_JOBS else ""
+        lines.append(f"  jobs: {listed}{more}")
+    return lines
 
 
 def maintenance(
@@ -118,42 +142,34 @@ def maintenance(
     connection = Redis.from_url(redis_url)
     names = queues or sorted(q.name for q in Queue.all(connection=connection, serializer=SERIALIZER))
     if dead_worker:
-        expired = expire_worker_jobs(connection, dead_worker, names)
-        print(f"worker {dead_worker}: {expired} started job(s) marked abandoned", file=out)
+        declare_dead(connection, dead_worker)
+        print(f"worker {dead_worker}: declared dead", file=out)
     report = clean_queues(connection, names)
     for name in names:
         if name in report.skipped:
             print(f"queue {name}: skipped, another process is cleaning it", file=out)
             continue
-        abandoned, rescued = report.abandoned.get(name, []), report.rescued.get(name, [])
+        handled = report.rerun.get(name, []) + report.crashed.get(name, []) + report.abandoned.get(name, [])
         print(
-            f"queue {name}: {len(abandoned)} abandoned job(s) re-queued or failed, "
-            f"{len(rescued)} stranded job(s) put back",
+            f"queue {name}: {len(report.rerun.get(name, []))} job(s) of dead workers re-queued, "
+            f"{len(report.crashed.get(name, []))} failed (crash budget spent), "
+            f"{len(report.abandoned.get(name, []))} abandoned, "
+            f"{len(report.rescued.get(name, []))} stranded job(s) put back",
             file=out,
         )
-        for job_id in abandoned:
+        for job_id in handled:
             print(f"  {job_id}: {JobHandle(connection, job_id).status()}", file=out)
     return 0
 
 
-def expire_worker_jobs(connection: Redis, worker_name: str, queues: list[str]) -> int:
-    """Expire the heartbeats of a worker known to be dead, so cleanup handles its jobs now."""
-    if connection.exists(Worker.redis_worker_namespace_prefix + worker_name):
-        key = Worker.redis_worker_namespace_prefix + worker_name
-        if not connection.hexists(key, "death"):
-            print(
-                f"warning: worker {worker_name} is still registered; its jobs are expired anyway",
-                file=sys.stderr,
-            )
-    members = connection.smembers(f"rq:worker:{worker_name}:executions")
-    count = 0
-    for member in members:
-        execution = Execution.from_composite_key(_text(member), connection)
-        for name in queues:
-            registry = StartedJobRegistry(name, connection=connection, serializer=SERIALIZER)
-            changed: Any = connection.zadd(registry.key, {execution.composite_key: 1}, xx=True, ch=True)
-            count += int(changed)
-    return count
+def declare_dead(connection: Redis, worker_name: str) -> None:
+    """Take an operator's word that a worker is dead: its liveness key goes, so its jobs re-run now."""
+    key = Worker.redis_worker_namespace_prefix + worker_name
+    if connection.exists(key) and not connection.hexists(key, "death"):
+        print(
+            f"warning: worker {worker_name} is still registered; its jobs are re-run anyway", file=sys.stderr
+        )
+    connection.delete(worker_alive_key(worker_name))
 
 
 def _text(value: bytes | str) -> str:

@@ -1,4 +1,4 @@
-"""`kvrq`: worker, generate, status, maintenance, demo, batch.
+"""`kvrq`: worker, generate, status, maintenance, demo, batch, up, dashboard.
 
 Only `kvrq worker` imports MLX (engine, store), and only once it runs: the other commands
 are Redis clients and start at once.
@@ -53,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, help="SIGTERM: seconds running jobs get to finish [30]"
     )
     worker.add_argument(
-        "--heartbeat-ttl", type=int, help="seconds without heartbeat before jobs count as abandoned"
+        "--heartbeat-ttl", type=int, help="seconds without heartbeat before jobs count as abandoned [90]"
+    )
+    worker.add_argument(
+        "--liveness-ttl", type=float, help="seconds after a worker's death until others see it gone [10]"
+    )
+    worker.add_argument(
+        "--crash-reruns", type=int, help="re-runs of a job whose worker died, before it fails [2]"
     )
     worker.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     worker.set_defaults(func=_cmd_worker)
@@ -79,16 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     maintenance = commands.add_parser(
         "maintenance",
-        help="re-queue or fail jobs of workers that died (abandoned-job cleanup)",
-        description="Started jobs whose heartbeat expired go back to their queue while retries are left, "
-        "else to the failed registry. Workers also do this at start and every minute.",
+        help="re-run jobs of workers that died (crash re-runs, abandoned-job cleanup)",
+        description="Started jobs of workers that are gone (no liveness key) or stuck (heartbeat expired) "
+        "go back to the head of their queue while their crash budget lasts, else to the failed registry. "
+        "Live workers do this every few seconds.",
     )
     maintenance.add_argument("--redis", default=_redis_url(), help="Redis URL [$KVRQ_REDIS_URL or local]")
     maintenance.add_argument("--queue", dest="queues", action="append", help="queue to clean (repeat) [all]")
     maintenance.add_argument(
         "--dead-worker",
-        help="name of a worker known to be dead: its jobs count as "
-        "abandoned now, without waiting for their heartbeats to expire",
+        help="name of a worker known to be dead: its jobs are re-run now, "
+        "without waiting for its liveness key to expire",
     )
     maintenance.set_defaults(func=_cmd_maintenance)
 
@@ -111,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     from producer.batch.cli import add_batch_commands
 
     add_batch_commands(commands)
+
+    from worker.cli.stack import add_stack_commands
+
+    add_stack_commands(commands)
     return parser
 
 
@@ -134,6 +145,8 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
             "name",
             "drain_timeout",
             "heartbeat_ttl",
+            "liveness_ttl",
+            "crash_reruns",
             "log_level",
         )
         if getattr(args, name, None) is not None
