@@ -6,8 +6,9 @@ Only redis, rq and pydantic are needed here: a web app that enqueues jobs never 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from redis import Redis
@@ -19,6 +20,8 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import resolve_serializer
 
+from producer import liveness
+from producer.liveness import job_wait_detail, no_worker_line, unheard_queue
 from producer.models import GenerationRequest, GenerationResult
 from producer.protocol import (
     CANCEL_FLAG_TTL_S,
@@ -31,6 +34,8 @@ from producer.protocol import (
     failure_of,
     stream_key,
 )
+
+logger = logging.getLogger("kvrq.producer")
 
 #: Seconds a started job may run when the request names no job_timeout (rq's own default is 180).
 DEFAULT_JOB_TIMEOUT = 600
@@ -123,12 +128,18 @@ class JobHandle:
         """rq's job.meta; the worker keeps `progress` (phase, tokens so far) there."""
         return dict(self.job().get_meta())
 
-    def result(self, timeout: float | None = None) -> GenerationResult:
+    def result(
+        self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
+    ) -> GenerationResult:
         """Wait for the job to end; return its result or raise JobFailedError / JobCanceledError.
 
-        Raises ResultTimeoutError when `timeout` seconds pass first (the job goes on).
+        Raises ResultTimeoutError when `timeout` seconds pass first (the job goes on); its message
+        says where the job stands (e.g. queued where no live worker listens). `on_wait` is called
+        about every second of waiting; by default a warning is logged, once, when the job still
+        waits after a few seconds in a queue no live worker listens on.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = on_wait or _UnheardJobWarning(self)
         results_key = Result.get_key(self.id)
         while True:
             outcome = self._outcome()
@@ -136,7 +147,8 @@ class JobHandle:
                 return outcome
             block = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if block <= 0:
-                raise ResultTimeoutError(f"job {self.id} did not end within {timeout} s")
+                raise self._timed_out(timeout)
+            waiting()
             # Woken as soon as the worker writes a result; the poll catches cancels (no result).
             latest: Any = self.connection.xrevrange(results_key, "+", "-", count=1)
             last_id = latest[0][0] if latest else "0-0"
@@ -190,16 +202,27 @@ class JobHandle:
             return False
         return True
 
-    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
-        """Every event of the job's token stream, from the start, ending with an end or error event."""
+    def _timed_out(self, timeout: float | None) -> ResultTimeoutError:
+        return ResultTimeoutError(
+            f"job {self.id} did not end within {timeout} s: {job_wait_detail(self.connection, self.id)}"
+        )
+
+    def events(
+        self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
+    ) -> Iterator[StreamEvent]:
+        """Every event of the job's token stream, from the start, ending with an end or error event.
+
+        `on_wait` as for `result()`: called about every second that brings no event.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = on_wait or _UnheardJobWarning(self)
         key = stream_key(self.id)
         last_id: bytes | str = "0-0"
         seen_any = False
         while True:
             block = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if block <= 0:
-                raise ResultTimeoutError(f"job {self.id} did not end within {timeout} s")
+                raise self._timed_out(timeout)
             entries = self._read(key, last_id, block=block, count=1024)
             if entries:
                 for entry_id, fields in entries:
@@ -214,6 +237,7 @@ class JobHandle:
             if ending is not None:
                 yield from ending
                 return
+            waiting()
 
     def _ending_without_stream(
         self, key: str, last_id: bytes | str, seen_any: bool
@@ -244,7 +268,9 @@ class JobHandle:
         head = [] if seen_any else [StreamEvent("delta", text=result.text)]
         return [*head, StreamEvent("end", finish_reason=result.finish_reason)]
 
-    def stream(self, timeout: float | None = None) -> Iterator[str]:
+    def stream(
+        self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
+    ) -> Iterator[str]:
         """Text deltas as the worker generates them (from the start, also for a late reader).
 
         Raises JobFailedError if the job fails; ends quietly when it is canceled. A job run
@@ -253,7 +279,7 @@ class JobHandle:
         """
         yielded = 0  # characters handed to the caller
         attempt_chars = 0  # characters the current attempt has produced
-        for event in self.events(timeout=timeout):
+        for event in self.events(timeout=timeout, on_wait=on_wait):
             if event.kind == "start":
                 attempt_chars = 0
             elif event.kind == "delta" and event.text:
@@ -278,6 +304,24 @@ class JobHandle:
         except (ResultTimeoutError, JobNotFoundError):
             pass
         return JobFailedError(self.id, reason)
+
+
+class _UnheardJobWarning:
+    """Logs a warning, once, when a job still waits after FIRST_NOTICE_S in a queue no live worker
+    listens on: a wait that would otherwise end only at its timeout, or never, without a word."""
+
+    def __init__(self, handle: JobHandle) -> None:
+        self.handle = handle
+        self.started = time.monotonic()
+        self.warned = False
+
+    def __call__(self) -> None:
+        if self.warned or time.monotonic() - self.started < liveness.FIRST_NOTICE_S:
+            return
+        queue = unheard_queue(self.handle.connection, self.handle.id)
+        if queue is not None:
+            self.warned = True
+            logger.warning("job %s waits: %s", self.handle.id, no_worker_line(queue))
 
 
 class Producer:

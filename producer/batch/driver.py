@@ -35,6 +35,7 @@ from producer.batch.lanes import Lanes
 from producer.batch.output import BatchOutput
 from producer.batch.progress import Progress
 from producer.batch.run import BatchRun, RunState, derive_run_id, job_id_for, validate_run_id
+from producer.liveness import WorkerWatch, live_workers
 from producer.protocol import CAPACITY_FIELD, DEFAULT_QUEUE
 
 logger = logging.getLogger("kvrq.batch")
@@ -74,11 +75,9 @@ class BatchSummary:
 
 def default_concurrency(connection: Redis, queue: str) -> int:
     """What the live workers of `queue` say they hold at once (DEFAULT_CONCURRENCY for a silent one)."""
-    from rq import Queue, Worker
-
     try:
-        workers = Worker.all(queue=Queue(queue, connection=connection))
-    except Exception:  # noqa: BLE001 - any trouble listing workers: fall back to the default
+        workers = live_workers(connection, queue)
+    except ValueError:  # a worker hash this rq cannot read: fall back to the default
         return DEFAULT_CONCURRENCY
     total = 0
     for worker in workers:
@@ -148,6 +147,7 @@ def run_batch(
             log=log or logger.info,
             log_interval_s=log_interval_s,
             poll_interval_s=poll_interval_s,
+            connection=connection,
         )
         return driver.run(started)
     finally:
@@ -171,7 +171,9 @@ class BatchDriver:
         log: Callable[[str], None],
         log_interval_s: float,
         poll_interval_s: float,
+        connection: Redis | None = None,
     ) -> None:
+        """`connection`: where to look for live workers, to say when none listens on `queue`."""
         self.items = items
         self.output = output
         self.run_record = run
@@ -202,6 +204,7 @@ class BatchDriver:
             write=log,
             interval_s=log_interval_s,
         )
+        self.watch = None if connection is None else WorkerWatch(connection, queue, self._notice)
 
     # ---- the session ------------------------------------------------------------------------
 
@@ -245,6 +248,9 @@ class BatchDriver:
             wall_s=time.monotonic() - started,
             output=str(self.output.path),
         )
+
+    def _notice(self, text: str) -> None:
+        self.progress.note(f"batch {self.run_id}: {text}")
 
     def _write_bad_lines(self) -> None:
         for item in self.items:
@@ -295,6 +301,10 @@ class BatchDriver:
                 self._stop_canceled()
                 return
             self.progress.tick()
+            if self.watch is not None:
+                if ended:
+                    self.watch.progressed()
+                self.watch.check()
             if not ended and self.in_flight:
                 self.jobs.wait(list(self.in_flight), self.poll_interval_s)
 

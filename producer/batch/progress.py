@@ -93,6 +93,13 @@ class Progress:
             self._bar.update(1)
             self._bar.set_postfix(self._postfix(), refresh=False)
 
+    def note(self, text: str) -> None:
+        """One line that is not a progress figure (e.g. that no worker listens): above the bar, if any."""
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            self._write(text)
+
     def set_in_flight(self, queued: int, running: int) -> None:
         self.queued = queued
         self.running = running

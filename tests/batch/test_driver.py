@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from producer import liveness
 from producer.batch import batch_status, cancel_batch, run_batch
 from producer.batch.jobs import JobOutcome, RqJobSource
 from producer.batch.run import BatchRun, derive_run_id
@@ -226,3 +228,22 @@ def test_rq_source_reads_each_failed_jobs_code_not_its_text() -> None:
     assert outcomes["j-big"] == JobOutcome("failed", error=too_big["message"], code=too_big["code"])
     assert outcomes["j-crash"].code == ErrorCode.WORKER_CRASHED
     assert outcomes["j-odd"].code == ErrorCode.INTERNAL  # no kvrq meta: the exception's name decides nothing
+
+
+def test_a_stalled_run_says_once_that_no_worker_listens_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(liveness, "FIRST_NOTICE_S", 0.05)
+    agents_file(tmp_path / "in.jsonl", bad=False)
+    stalls = [0.06, 0.06, 0.06]  # three polls with nothing ending, longer than the notice delay each
+
+    def stall_then_run(source: FakeJobs) -> None:
+        source.per_wait = 0 if stalls else 5
+        if stalls:
+            time.sleep(stalls.pop())
+
+    said: list[str] = []
+    summary = run(tmp_path, FakeJobs(on_wait=stall_then_run), fake_redis(), log=said.append)
+    assert summary.state == "done" and summary.done == 13
+    notices = [text for text in said if "no live worker listens on queue 'kvrq'" in text]
+    assert notices == [f"batch {summary.run_id}: {liveness.no_worker_line('kvrq')}"]

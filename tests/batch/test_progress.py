@@ -30,3 +30,16 @@ def test_a_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None:
     progress.close()
     err = capsys.readouterr().err
     assert "run-y" in err and "1/3" in err and "failed=0" in err
+
+
+def test_notes_go_to_the_log_or_above_the_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    lines: list[str] = []
+    Progress("run-z", 3, bar=False, write=lines.append).note("no live worker listens")
+    assert lines == ["no live worker listens"]
+    with_bar = Progress("run-w", 3, bar=True, write=lines.append)
+    with_bar.note("no live worker listens on queue 'q'")
+    with_bar.advance(True)
+    with_bar.close()
+    assert len(lines) == 1  # the bar's note did not go to the log
+    err = capsys.readouterr().err
+    assert "no live worker listens on queue 'q'\n" in err and "1/3" in err  # own line; the bar goes on

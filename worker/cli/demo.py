@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import IO
 
 from producer.client import Producer
+from producer.liveness import live_workers
 from producer.models import ChatMessage, GenerationRequest
-from worker.cli.commands import summary_line, workers_on
+from worker.cli.commands import summary_line
 from worker.cli.spawn import redis_server, worker_process
 
 _FACTS = (
@@ -49,7 +50,7 @@ def run_demo(
     redis_url: str, queue: str, *, max_tokens: int, timeout: float, out: IO[str] = sys.stdout
 ) -> int:
     with Producer(redis_url, queue) as producer:
-        if not workers_on(producer.connection, queue):
+        if not live_workers(producer.connection, queue):
             print(
                 f"no kvrq worker listens on queue {queue}: start one (kvrq worker) or use --spawn", file=out
             )
