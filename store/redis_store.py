@@ -19,6 +19,7 @@ gone): last writer wins, never a mix.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import random
 import time
@@ -157,7 +158,7 @@ class RedisStore(BlockBackend):
                     if plan is not None:
                         self._discard(agent_id, plan)
                     plan = self.plan_write(agent_id, cache, self._reusable(tx, agent_id, current))
-                    self._write_blocks(agent_id, plan)
+                    self._write_blocks(agent_id, plan)  # removes what it wrote if it fails
                 manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
                 manifest_blob = encode_manifest(manifest)
                 try:
@@ -203,15 +204,22 @@ class RedisStore(BlockBackend):
         return ScatterValue(parts) if self._scatter else b"".join(parts)
 
     def _write_blocks(self, agent_id: str, plan: WritePlan) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        queued = 0
-        for block in plan.new_blocks:
-            pipe.set(self._bkey(agent_id, block.name), self._value(block.encoded.parts()), px=PENDING_TTL_MS)
-            queued += block.encoded.nbytes
-            if queued >= _PIPELINE_BYTES:
-                pipe.execute()
-                queued = 0
-        pipe.execute()
+        """SET the new blocks on their provisional expiry; on failure (Redis full, connection lost)
+        remove what was written, best effort: the provisional expiry covers the rest."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            queued = 0
+            for block in plan.new_blocks:
+                pipe.set(self._bkey(agent_id, block.name), self._value(block.encoded.parts()), px=PENDING_TTL_MS)
+                queued += block.encoded.nbytes
+                if queued >= _PIPELINE_BYTES:
+                    pipe.execute()
+                    queued = 0
+            pipe.execute()
+        except RedisError:
+            with contextlib.suppress(RedisError):
+                self._discard(agent_id, plan)
+            raise
 
     def _commit(
         self,
