@@ -1,0 +1,172 @@
+"""`kvrq dashboard`: rq-dashboard for kvrq's Redis, reading everything as JSON, on 127.0.0.1 by default.
+
+rq-dashboard 0.9 passes no serializer in several places even when started with `--json`
+(`Worker.all`, `Job.fetch`, `requeue_job`, an execution's job), so rq falls back to pickle there
+and its Workers page answers 500 while a kvrq worker holds jobs: kvrq's jobs are JSON. This
+process makes JSON rq's fallback before the dashboard serves anything (kvrq never pickles, so
+nothing in its Redis needs pickle), and replaces the dashboard's workers list with one that
+shows how many jobs (rq executions) each worker holds: a kvrq worker holds many at once, and
+rq-dashboard's row has room for only one "current job".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import sys
+from datetime import datetime
+from typing import Any
+
+from redis import Redis
+
+# What a kvrq worker adds to its rq worker hash (worker/loop.py): jobs in the engine and jobs
+# held waiting for KV blocks or an agent. Optional: other rq workers have neither.
+RUNNING_FIELD = "kvrq_running"
+WAITING_FIELD = "kvrq_waiting"
+LOOPBACK = "127.0.0.1"
+DEFAULT_PORT = 9181
+INSTALL_HINT = "kvrq dashboard needs rq-dashboard: pip install -e '.[dashboard]'"
+
+
+def use_json_everywhere() -> None:
+    """Make rq's fallback serializer JSON in this process, and rq-dashboard's own setting too.
+
+    `rq.serializers.resolve_serializer(None)` returns the module's `PickleSerializer` as it is at
+    call time, so rebinding that name reaches every place that passes no serializer. Checked
+    here, so an rq that resolves differently fails at start instead of serving 500s.
+    """
+    import rq.serializers
+    import rq_dashboard.web
+    from rq.serializers import JSONSerializer, resolve_serializer
+
+    rq.serializers.PickleSerializer = JSONSerializer  # type: ignore[assignment]
+    rq_dashboard.web.config.serializer = JSONSerializer
+    if resolve_serializer(None) is not JSONSerializer:
+        raise RuntimeError("this rq resolves its default serializer differently: kvrq dashboard needs rq 3.0")
+
+
+def worker_row(worker: Any, connection: Redis) -> dict[str, Any]:
+    """One worker as rq-dashboard's workers.json lists it, with the jobs it holds counted.
+
+    `current_job` is what the Workers page shows: "idle", or a link to the worker's oldest held
+    job whose text says how many it holds (and, for kvrq workers, how many run and wait).
+    """
+    executions = sorted(worker.get_current_executions(refresh=True), key=lambda e: e.created_at)
+    running, waiting = (_int_or_none(v) for v in connection.hmget(worker.key, RUNNING_FIELD, WAITING_FIELD))
+    row: dict[str, Any] = {
+        "name": worker.name,
+        "pid": worker.pid,
+        "queues": [queue.name for queue in worker.queues],
+        "state": str(worker.get_state()),
+        "current_job": _held_summary(executions, running, waiting),
+        "held_jobs": len(executions),
+        "running_jobs": running,
+        "waiting_jobs": waiting,
+        "last_heartbeat": worker.last_heartbeat,
+        "birth_date": worker.birth_date,
+        "successful_job_count": worker.successful_job_count,
+        "failed_job_count": worker.failed_job_count,
+        "total_working_time": worker.total_working_time,
+        "version": getattr(worker, "version", ""),
+        "python_version": getattr(worker, "python_version", ""),
+    }
+    return row
+
+
+def _held_summary(executions: list[Any], running: int | None, waiting: int | None) -> str | dict[str, Any]:
+    if not executions:
+        return "idle"
+    count = len(executions)
+    text = f"busy: {count} job{'s' if count != 1 else ''} held"
+    if running is not None and waiting is not None:
+        text += f" ({running} running, {waiting} waiting)"
+    oldest = executions[0]
+    description = created_at = None
+    try:
+        job = oldest.job
+        description, created_at = job.description, _iso(job.created_at)
+    except Exception:  # the job expired or was deleted since the worker took it: still count it
+        pass
+    return {
+        "job_id": oldest.job_id,
+        "description": description,
+        "created_at": created_at,
+        "call_string": text,
+    }
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def _int_or_none(raw: bytes | str | None) -> int | None:
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def workers_json(instance_number: int) -> Any:
+    """Replacement view for rq-dashboard's `/<instance>/data/workers.json`."""
+    from flask import current_app, jsonify
+    from rq import Worker
+
+    connection = current_app.redis_conn  # type: ignore[attr-defined]  # set per request by rq-dashboard
+    rows = [worker_row(worker, connection) for worker in Worker.all(connection=connection)]
+    rows.sort(key=lambda w: (w["state"], w["queues"], w["name"]))
+    return jsonify(workers=rows), {"Cache-Control": "no-store"}
+
+
+def make_app(redis_url: str, *, poll_interval_ms: int | None = None) -> Any:
+    """rq-dashboard's Flask app for one Redis, JSON throughout, with the kvrq workers view."""
+    use_json_everywhere()
+    from rq_dashboard.cli import make_flask_app
+    from rq_dashboard.web import setup_rq_connection
+
+    app = make_flask_app(None, None, None, "")
+    app.config["RQ_DASHBOARD_REDIS_URL"] = redis_url
+    if poll_interval_ms:
+        app.config["RQ_DASHBOARD_POLL_INTERVAL"] = poll_interval_ms
+    setup_rq_connection(app)
+    endpoint = "rq_dashboard.list_workers"
+    if endpoint not in app.view_functions:
+        raise RuntimeError(f"this rq-dashboard has no {endpoint} view: kvrq dashboard needs rq-dashboard 0.9")
+    app.view_functions[endpoint] = workers_json
+    return app
+
+
+def serve(
+    redis_url: str, *, bind: str = LOOPBACK, port: int = DEFAULT_PORT, poll_interval_ms: int | None = None
+) -> int:
+    """Serve until SIGINT or SIGTERM (then exit 0): one threaded HTTP server, no Flask banner."""
+    try:
+        app = make_app(redis_url, poll_interval_ms=poll_interval_ms)
+    except ModuleNotFoundError as exc:
+        print(f"{INSTALL_HINT} ({exc})", file=sys.stderr)
+        return 2
+    from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
+    try:
+        server = make_server(bind, port, app, threaded=True)
+    except OSError as exc:
+        print(f"kvrq dashboard: cannot listen on {bind}:{port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    print(f"rq-dashboard on http://{bind}:{server.port} for {_without_password(redis_url)}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def _without_password(url: str) -> str:
+    return re.sub(r"://[^@/]*@", "://***@", url)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,345 @@
+"""`kvrq up` and `kvrq dashboard`: the long-running stack from one command.
+
+`kvrq up` runs what the Procfile runs (Redis on loopback with AOF persistence, a worker,
+rq-dashboard) as its own child processes, prefixes their output with their names, and on Ctrl-C
+or SIGTERM stops them in an order that loses nothing: the dashboard, then the worker (which
+drains: its jobs finish or go back to their queue), then Redis (which writes its AOF). Children
+run in their own sessions so Ctrl-C reaches only `kvrq up`, and on Linux they get SIGTERM if it
+dies without stopping them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from producer.protocol import DEFAULT_REDIS_URL
+from worker.cli.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
+from worker.cli.dashboard import LOOPBACK
+
+DEFAULT_REDIS_PORT = 6379
+REDIS_PORT_ENV = "KVRQ_REDIS_PORT"  # the Procfile's variables, so both start the same stack
+DASHBOARD_PORT_ENV = "KVRQ_DASHBOARD_PORT"
+REDIS_START_S = 10.0
+STOP_GRACE_S = 10.0  # redis-server and the dashboard; the worker gets its drain timeout on top
+
+
+def add_stack_commands(commands: argparse._SubParsersAction) -> None:
+    """Register `kvrq up` and `kvrq dashboard` on the CLI's subcommands."""
+    up = commands.add_parser(
+        "up",
+        help="run Redis, a worker and rq-dashboard until Ctrl-C",
+        description="Run the whole stack on 127.0.0.1: redis-server (AOF persistence in DIR/redis), "
+        "a kvrq worker (agent caches in DIR/cache; its settings from KVRQ_* variables, see "
+        "docs/worker.md) and rq-dashboard. Ctrl-C stops them all: the worker drains first.",
+    )
+    up.add_argument(
+        "--redis-port",
+        type=int,
+        help=f"Redis port [${REDIS_PORT_ENV} or {DEFAULT_REDIS_PORT}]",
+    )
+    up.add_argument(
+        "--dashboard-port",
+        type=int,
+        help=f"rq-dashboard port [${DASHBOARD_PORT_ENV} or {DEFAULT_DASHBOARD_PORT}]",
+    )
+    up.add_argument(
+        "--dir", type=Path, default=Path(".kvrq"), help="where Redis and the store keep data [.kvrq]"
+    )
+    up.add_argument("--no-dashboard", action="store_true", help="run Redis and the worker only")
+    up.set_defaults(func=_cmd_up)
+
+    dashboard = commands.add_parser(
+        "dashboard",
+        help="run rq-dashboard for kvrq's Redis (JSON jobs, jobs held per worker)",
+        description="rq-dashboard 0.9 with rq's JSON serializer everywhere and a Workers page that "
+        "counts the jobs each worker holds. Listens on 127.0.0.1 unless --bind says otherwise.",
+    )
+    dashboard.add_argument(
+        "--redis",
+        default=os.environ.get("KVRQ_REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis URL [$KVRQ_REDIS_URL or local]",
+    )
+    dashboard.add_argument("--bind", default=LOOPBACK, help=f"address to listen on [{LOOPBACK}]")
+    dashboard.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_DASHBOARD_PORT,
+        help=f"port to listen on [{DEFAULT_DASHBOARD_PORT}]",
+    )
+    dashboard.add_argument("--poll-interval", type=int, help="page refresh interval in ms [2500]")
+    dashboard.set_defaults(func=_cmd_dashboard)
+
+
+def _env_port(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a port number") from None
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from worker.cli.dashboard import serve
+
+    return serve(args.redis, bind=args.bind, port=args.port, poll_interval_ms=args.poll_interval)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    if args.redis_port is None:
+        args.redis_port = _env_port(REDIS_PORT_ENV, DEFAULT_REDIS_PORT)
+    if args.dashboard_port is None:
+        args.dashboard_port = _env_port(DASHBOARD_PORT_ENV, DEFAULT_DASHBOARD_PORT)
+    problem = _cannot_start(args)
+    if problem:
+        print(f"kvrq up: {problem}", file=sys.stderr)
+        return 2
+    return Stack(args.redis_port, None if args.no_dashboard else args.dashboard_port, args.dir).run()
+
+
+def _cannot_start(args: argparse.Namespace) -> str | None:
+    """Why the stack cannot start, checked before anything is started."""
+    if shutil.which("redis-server") is None:
+        return "redis-server not found: apt-get install redis-server (macOS: brew install redis)"
+    if not args.no_dashboard:
+        import importlib.util
+
+        if importlib.util.find_spec("rq_dashboard") is None:
+            return "rq-dashboard is not installed: pip install -e '.[dashboard]', or run with --no-dashboard"
+    ports = [("Redis", "--redis-port", REDIS_PORT_ENV, args.redis_port)]
+    if not args.no_dashboard:
+        ports.append(("the dashboard", "--dashboard-port", DASHBOARD_PORT_ENV, args.dashboard_port))
+    for what, flag, env, port in ports:
+        if not port_is_free(port):
+            return (
+                f"{LOOPBACK}:{port} is already in use (another Redis or an earlier kvrq up?); "
+                f"pick a free port for {what}: {flag} N or {env}=N"
+            )
+    if not args.no_dashboard and args.redis_port == args.dashboard_port:
+        return "Redis and the dashboard need different ports"
+    return None
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:port now (SO_REUSEADDR, as servers bind)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Child:
+    """One process of the stack and the thread that copies its output, prefixed."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    pump: threading.Thread
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def stop(self, timeout: float, sig: int = signal.SIGTERM) -> None:
+        """Signal it, wait up to `timeout`, then kill it; always reaps it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                print(f"kvrq up: {self.name} did not stop in {timeout:.0f} s: killing it", flush=True)
+                self.proc.kill()
+                self.proc.wait()
+        if self.pump.ident is not None:
+            self.pump.join(timeout=5)
+
+
+class Stack:
+    def __init__(self, redis_port: int, dashboard_port: int | None, data_dir: Path) -> None:
+        self.redis_url = f"redis://{LOOPBACK}:{redis_port}/0"
+        self.redis_port = redis_port
+        self.dashboard_port = dashboard_port
+        self.data_dir = data_dir
+        self.children: dict[str, Child] = {}
+        self.signals = 0
+        self._print_lock = threading.Lock()
+        self._die_with_parent = _parent_death_signal()
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _run(self) -> int:
+        """Fork every child before any output thread starts (no threads at fork time), then watch."""
+        (self.data_dir / "redis").mkdir(parents=True, exist_ok=True)
+        redis = self._start("redis", self._redis_argv())
+        connection = Redis.from_url(self.redis_url, socket_timeout=2)
+        if not self._wait(lambda: redis.exited() or _pings(connection), REDIS_START_S) or redis.exited():
+            self._pump_all()
+            self.say(f"redis-server did not start on {LOOPBACK}:{self.redis_port}")
+            return 1
+        worker = self._start("worker", self._worker_argv())
+        if self.dashboard_port is not None:
+            self._start("dashboard", self._dashboard_argv())
+        self._pump_all()
+        dashboard = (
+            f", rq-dashboard on http://{LOOPBACK}:{self.dashboard_port}" if self.dashboard_port else ""
+        )
+        self.say(f"Redis at {self.redis_url}{dashboard}; the worker is loading its model. Ctrl-C stops all.")
+        announced = False
+        while not self.signals:
+            for child in self.children.values():
+                if child.exited():
+                    self.say(f"{child.name} exited with code {child.proc.returncode}: stopping the stack")
+                    return 1
+            if not announced and _registered(connection, worker.proc.pid):
+                self.say(
+                    f"worker ready: enqueue to {self.redis_url} (kvrq generate --redis {self.redis_url} Hi)"
+                )
+                announced = True
+            time.sleep(0.2)
+        return 0
+
+    def _redis_argv(self) -> list[str]:
+        return [
+            shutil.which("redis-server") or "redis-server",
+            "--bind", LOOPBACK,
+            "--protected-mode", "yes",
+            "--port", str(self.redis_port),
+            "--dir", str(self.data_dir / "redis"),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+        ]  # fmt: skip
+
+    def _worker_argv(self) -> list[str]:
+        store = f"disk:{self.data_dir / 'cache'}"
+        return [sys.executable, "-m", "worker.cli", "worker", "--redis", self.redis_url, "--store", store]
+
+    def _dashboard_argv(self) -> list[str]:
+        port = str(self.dashboard_port)
+        return [sys.executable, "-m", "worker.cli", "dashboard", "--redis", self.redis_url, "--port", port]
+
+    def _start(self, name: str, argv: list[str]) -> Child:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # Ctrl-C goes to `kvrq up` alone, which stops them in order
+            preexec_fn=self._die_with_parent,
+        )
+        assert proc.stdout is not None
+        child = Child(name, proc, threading.Thread(target=self._pump, args=(name, proc.stdout), daemon=True))
+        self.children[name] = child
+        return child
+
+    def _pump_all(self) -> None:
+        for child in self.children.values():
+            if child.pump.ident is None:
+                child.pump.start()
+
+    def _pump(self, name: str, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            self._print(name, raw.decode(errors="replace").rstrip("\n"))
+        stream.close()
+
+    def _print(self, name: str, line: str) -> None:
+        with self._print_lock:
+            print(f"{name:<9} | {line}", flush=True)
+
+    def say(self, message: str) -> None:
+        self._print("kvrq up", message)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signals += 1
+        worker = self.children.get("worker")
+        if self.signals == 2 and worker is not None and not worker.exited():
+            self.say("second stop signal: the worker hands its jobs back now")
+            worker.proc.send_signal(signal.SIGTERM)  # a worker's second signal: no more draining
+
+    def _stop_all(self) -> None:
+        """Dashboard, then the worker (its drain), then Redis, so the worker can hand jobs back."""
+        if not self.children:
+            return
+        self.say("stopping: dashboard, worker (finishing or re-queueing its jobs), Redis")
+        drain = _drain_timeout()
+        for name, timeout in (("dashboard", STOP_GRACE_S), ("worker", drain + 60), ("redis", STOP_GRACE_S)):
+            child = self.children.get(name)
+            if child is not None:
+                child.stop(timeout)
+        codes = ", ".join(f"{c.name} {c.proc.returncode}" for c in self.children.values())
+        self.say(f"stopped ({codes})")
+        self.children.clear()
+
+    @staticmethod
+    def _wait(condition: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.1)
+        return False
+
+
+def _drain_timeout() -> float:
+    """The worker's drain timeout, as the worker reads it (KVRQ_DRAIN_TIMEOUT or its default)."""
+    from pydantic import ValidationError
+
+    from worker.settings import WorkerSettings
+
+    try:
+        return WorkerSettings().drain_timeout
+    except ValidationError:
+        return float(WorkerSettings.model_fields["drain_timeout"].default)
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """Linux: a function for the child (between fork and exec) that asks for SIGTERM when its parent
+    dies (prctl PR_SET_PDEATHSIG), resolved here in the parent so the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig, sigterm = ctypes.c_int(1), ctypes.c_ulong(signal.SIGTERM)
+    return lambda: prctl(pr_set_pdeathsig, sigterm)
+
+
+def _pings(connection: Redis) -> bool:
+    try:
+        return bool(connection.ping())
+    except RedisError:
+        return False
+
+
+def _registered(connection: Redis, pid: int) -> bool:
+    """Whether the worker with this process id has registered as an rq worker."""
+    try:
+        keys = connection.smembers("rq:workers")
+        return any(connection.hget(key, "pid") == str(pid).encode() for key in keys)
+    except RedisError:
+        return False
