@@ -11,7 +11,6 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import time
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from store.errors import (
     UNEXPECTED,
     BadCacheError,
 )
-from store.iopool import map_parallel
 from store.manifest import BlockRef, Manifest, block_name, chain_keys, decode_manifest, new_generation
 
 _READ_ATTEMPTS = 3
@@ -134,14 +132,8 @@ class BlockBackend(ABC):
     def _read_manifest(self, agent_id: str) -> Blob | None: ...
 
     @abstractmethod
-    def _read_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[Blob | None]:
-        """The blobs of `refs` in order; None for a block that is not there."""
-
     def _fetch_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[tuple[Blob, int] | None]:
-        """Each block's blob with its CRC-32 (computed on helper threads), None where missing."""
-        blobs = self._read_blocks(agent_id, refs)
-        crcs = map_parallel(lambda b: None if b is None else zlib.crc32(b), blobs)
-        return [None if b is None or c is None else (b, c) for b, c in zip(blobs, crcs, strict=True)]
+        """Each block's blob with its CRC-32 (computed while the next one is read), None where missing."""
 
     @abstractmethod
     def _touch(self, agent_id: str, manifest: Manifest) -> None:

@@ -136,9 +136,6 @@ class DiskStore(BlockBackend):
             self._remove_locked(key)
         self._stats.add("expired")
 
-    def _read_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[Blob | None]:
-        return [None if f is None else f[0] for f in self._fetch_blocks(agent_id, refs)]
-
     def _fetch_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[tuple[Blob, int] | None]:
         """Read and checksum blocks on the helper threads: one block's CRC overlaps the next read."""
         blocks = self._agent_dir(agent_id) / "blocks"

@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.spec import ModelCacheSpec
 from store.errors import AGENT_MISMATCH, BAD_MANIFEST, FORMAT_VERSION, SPEC_MISMATCH, BadCacheError
-from store.stfile import SafetensorsError, encode, parse_header, view
+from store.stfile import SafetensorsError, TensorEntry, encode, parse_header, view
 
 FORMAT_NAME = "kvrq-agent-cache"
 FORMAT_VERSION_NUMBER = 1
@@ -131,12 +131,10 @@ def read_format(metadata: dict[str, str]) -> None:
         )
 
 
-def decode_manifest(blob: bytes | bytearray | memoryview, agent_id: str, spec: ModelCacheSpec) -> Manifest:
-    """The manifest in `blob`, checked to be intact, for `agent_id`, and made for `spec`.
-
-    Raises BadCacheError with reason bad_manifest, format_version, agent_mismatch or
-    spec_mismatch.
-    """
+def _checked_header(
+    blob: bytes | bytearray | memoryview,
+) -> tuple[dict[str, str], dict[str, TensorEntry], int]:
+    """parse_header of a manifest of this format and version whose metadata passes its checksum."""
     try:
         metadata, entries, data_start = parse_header(blob)
     except SafetensorsError as exc:
@@ -144,6 +142,16 @@ def decode_manifest(blob: bytes | bytearray | memoryview, agent_id: str, spec: M
     read_format(metadata)
     if metadata.get("kind") != "manifest" or metadata.get("checksum") != str(_metadata_checksum(metadata)):
         raise BadCacheError(BAD_MANIFEST, "manifest metadata fails its checksum")
+    return metadata, entries, data_start
+
+
+def decode_manifest(blob: bytes | bytearray | memoryview, agent_id: str, spec: ModelCacheSpec) -> Manifest:
+    """The manifest in `blob`, checked to be intact, for `agent_id`, and made for `spec`.
+
+    Raises BadCacheError with reason bad_manifest, format_version, agent_mismatch or
+    spec_mismatch.
+    """
+    metadata, entries, data_start = _checked_header(blob)
     entry = entries.get("token_ids")
     if entry is None or len(entries) != 1 or entry.dtype != "I64" or len(entry.shape) != 1:
         raise BadCacheError(BAD_MANIFEST, "manifest has no int64 token_ids vector")
@@ -238,13 +246,7 @@ class ManifestSummary:
 
 def summarize_manifest(blob: bytes | bytearray | memoryview) -> ManifestSummary:
     """Summary of an intact manifest of this format; BadCacheError otherwise."""
-    try:
-        metadata, _entries, _start = parse_header(blob)
-    except SafetensorsError as exc:
-        raise BadCacheError(BAD_MANIFEST, str(exc)) from None
-    read_format(metadata)
-    if metadata.get("kind") != "manifest" or metadata.get("checksum") != str(_metadata_checksum(metadata)):
-        raise BadCacheError(BAD_MANIFEST, "manifest metadata fails its checksum")
+    metadata, _entries, _start = _checked_header(blob)
     try:
         raw_blocks: Any = json.loads(metadata["blocks"])
         return ManifestSummary(

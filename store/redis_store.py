@@ -108,9 +108,6 @@ class RedisStore(BlockBackend):
         value = self._client.get(self._mkey(agent_id))
         return _as_blob(value)
 
-    def _read_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[Blob | None]:
-        return [None if f is None else f[0] for f in self._fetch_blocks(agent_id, refs)]
-
     def _fetch_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[tuple[Blob, int] | None]:
         """GET the blocks in pipelined chunks; each chunk's CRCs run on helper threads while
         the next chunk arrives."""
@@ -210,7 +207,8 @@ class RedisStore(BlockBackend):
             pipe = self._client.pipeline(transaction=False)
             queued = 0
             for block in plan.new_blocks:
-                pipe.set(self._bkey(agent_id, block.name), self._value(block.encoded.parts()), px=PENDING_TTL_MS)
+                key = self._bkey(agent_id, block.name)
+                pipe.set(key, self._value(block.encoded.parts()), px=PENDING_TTL_MS)
                 queued += block.encoded.nbytes
                 if queued >= _PIPELINE_BYTES:
                     pipe.execute()

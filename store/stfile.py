@@ -91,10 +91,6 @@ def encode(
     return struct.pack("<Q", len(text)) + text, buffers
 
 
-def blob_size(header: bytes, buffers: Sequence[memoryview]) -> int:
-    return len(header) + sum(len(b) for b in buffers)
-
-
 def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict[str, str], dict[str, TensorEntry], int]:
     """(metadata, tensors by name, data start) of a safetensors blob, checked for consistency.
 
