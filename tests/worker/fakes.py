@@ -160,23 +160,41 @@ class FakeEngine:
 
 
 class DictStore:
-    def __init__(self) -> None:
+    """A store shared by every worker of a test. With `durable=False` puts stay pending until `settle()`."""
+
+    def __init__(self, durable: bool = True) -> None:
         self.caches: dict[str, AgentCache] = {}
         self.puts: list[str] = []
+        self.fences: list[tuple[str, int | None]] = []
+        self.prefetches: list[str] = []
+        self.pending: list[Future[bool]] = []
+        self.durable = durable
         self.closed = False
 
     def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
         return self.caches.get(agent_id)
 
     def prefetch(self, agent_id: str, *, prompt_tokens: Sequence[int]) -> Future[AgentCache | None]:
+        self.prefetches.append(agent_id)
         return done(self.get(agent_id, prompt_tokens=prompt_tokens))
 
     def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> Future[bool]:
         self.caches[agent_id] = cache
         self.puts.append(agent_id)
-        return done(True)
+        self.fences.append((agent_id, fence))
+        if self.durable:
+            return done(True)
+        future: Future[bool] = Future()
+        self.pending.append(future)
+        return future
+
+    def settle(self) -> None:
+        for future in self.pending:
+            future.set_result(True)
+        self.pending.clear()
 
     def close(self) -> None:
+        self.settle()
         self.closed = True
 
 

@@ -32,6 +32,7 @@ def reference_results(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main() -> None:
     from engine.engine import BlockPoolBatchEngine
     from engine.model import load_model
+    from worker.jobs import sampling_of
     from worker.prompts import prompt_tokens
 
     model, tokenizer = load_model("smollm2-135m")
@@ -39,15 +40,7 @@ def main() -> None:
     out = []
     for raw in json.loads(sys.stdin.read()):
         request = GenerationRequest.model_validate(raw)
-        engine.submit(
-            None,
-            prompt_tokens(tokenizer, request),
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=tuple(request.stop),
-        )
+        engine.submit(None, prompt_tokens(tokenizer, request), sampling_of(request))
         completions = []
         while engine.has_work():
             completions += engine.step().completions

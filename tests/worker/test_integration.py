@@ -173,7 +173,7 @@ def test_cancel_a_running_job_frees_its_blocks(producer: Producer) -> None:
     assert job.status() == "started"
     assert job.cancel() is True
     wait_for(lambda: job.status() == "canceled", 30, "running job was not canceled")
-    assert list(job.events(timeout=5))[-1].finish_reason == "cancelled"
+    assert list(job.events(timeout=5))[-1].finish_reason == "canceled"
     wait_for(lambda: _worker_hash(producer.connection).get("kvrq_running") == "0", 10, "still running")
     fields = _worker_hash(producer.connection)
     assert fields["kvrq_free_blocks"] == fields["kvrq_pool_blocks"]

@@ -24,7 +24,7 @@ from producer.protocol import (
     WAITING_FIELD,
 )
 from tests.producer.fakes import fake_redis
-from tests.worker.test_loop import Harness
+from tests.worker.harness import Harness
 from worker.cli import commands
 
 

@@ -1,0 +1,59 @@
+"""A worker loop on fakeredis with a fake engine and store, driven one iteration at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import fakeredis
+
+from producer.client import Producer
+from tests.producer.fakes import fake_redis
+from tests.worker.fakes import DictStore, FakeEngine
+from worker.loop import WorkerLoop
+from worker.rqexec import KvrqWorker
+from worker.settings import WorkerSettings
+
+
+class Harness:
+    def __init__(self, pool_blocks: int = 4096, max_batch: int = 4, **settings: object) -> None:
+        self.server = fakeredis.FakeServer()
+        self.redis = fake_redis(self.server)
+        self.engine = FakeEngine(pool_blocks=pool_blocks, max_batch=max_batch)
+        self.store = DictStore()
+        self.settings = WorkerSettings(
+            heartbeat_interval=0.05,
+            maintenance_interval=3600,
+            max_batch=max_batch,
+            **settings,  # type: ignore[arg-type]
+        )
+        self.loop = self.new_loop()
+        self.producer = Producer(connection=fake_redis(self.server))
+
+    def new_loop(self, engine: FakeEngine | None = None) -> WorkerLoop:
+        worker = KvrqWorker(
+            ["kvrq"], connection=fake_redis(self.server), heartbeat_ttl=self.settings.heartbeat_ttl
+        )
+        worker.register_birth()
+        loop = WorkerLoop(
+            engine=engine or self.engine,
+            store=self.store,
+            rq_worker=worker,
+            settings=self.settings,
+            model_name="fake",
+            idle_wait_s=0,
+        )
+        loop.beacon.beat()  # alive, without the beacon's thread: tests delete the key to "kill" it
+        return loop
+
+    def run_until(self, done: Callable[[], bool], max_iterations: int = 500) -> None:
+        for _ in range(max_iterations):
+            if done():
+                return
+            self.loop.run_once()
+        raise AssertionError("condition not reached")
+
+    def statuses(self, handles: list) -> list[str]:  # type: ignore[type-arg]
+        return [h.status() for h in handles]
+
+    def all_ended(self, handles: list) -> Callable[[], bool]:  # type: ignore[type-arg]
+        return lambda: all(s in ("finished", "failed", "canceled") for s in self.statuses(handles))
