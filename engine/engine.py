@@ -20,7 +20,8 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from engine.admission import Admission
 from engine.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.errors import InvalidRequestError
-from engine.kv_convert import blocks_to_caches, caches_to_blocks
+from engine.host_slab import BlockSlab
+from engine.kv_convert import blocks_to_caches, caches_to_blocks, keep_buffers_resident
 from engine.params import SamplingParams
 from engine.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
 from engine.sampling import make_sampler
@@ -69,6 +70,9 @@ class BlockPoolBatchEngine:
         else:
             self.pool = BlockPool.from_megabytes(pool_mb or DEFAULT_POOL_MB, self.spec)
         self.max_batch = max_batch
+        pool_bytes = self.pool.total_blocks * self.spec.bytes_per_block()
+        keep_buffers_resident(pool_bytes)  # cache buffers of ended sequences are reused, not re-faulted
+        self._slab = BlockSlab(self.spec.bytes_per_block(), max_idle_slots=self.pool.total_blocks)
         args = getattr(model, "args", None)
         self.max_context = max_context or getattr(args, "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.vocab_size = int(getattr(args, "vocab_size", 0) or 0)
@@ -253,7 +257,7 @@ class BlockPoolBatchEngine:
         self.pool.free(seq.uid)
         cache = None
         if seq.keep_cache and layers is not None and all_tokens is not None and self.spec.all_full_attention:
-            cache = caches_to_blocks(layers, list(all_tokens), self.spec)
+            cache = caches_to_blocks(layers, list(all_tokens), self.spec, self._slab)
         now = time.perf_counter()
         return Completion(
             uid=seq.uid,

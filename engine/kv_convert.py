@@ -1,107 +1,170 @@
 """Moving KV between MLX caches (what the model runs on) and blocks (what is budgeted and stored).
 
-Both directions go through numpy: on the CPU backend MLX's own concatenate and
-strided copies run at about a fifth of memcpy speed, numpy at several times that.
-np.asarray of an evaluated MLX array is a zero-copy view, so extracting a block costs
-one copy, and gathering costs a numpy concatenate plus the copy into MLX.
+Both directions are one copy at memory speed, through numpy views of MLX buffers:
+- gather: each layer's cache buffer is allocated once at its final capacity (a multiple
+  of 256 tokens) and the blocks are copied straight into it through a writable numpy view,
+  with no intermediate concatenate. MLX's CPU allocator keeps freed buffers for reuse only
+  up to its cache limit (32 MB by default), so `keep_buffers_resident` raises that limit:
+  otherwise every gather pays fresh pages, several times the copy itself.
+- extract: a finished cache is copied block by block into slots of a BlockSlab (recycled
+  host memory), each block one contiguous (layers, heads, tokens, dim) region per K and V.
+
+Python loops run per block and layer, never per token.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
-from engine.blocks import AgentCache, KVBlock
+from engine.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
+from engine.fast_copy import copy_array
+from engine.host_slab import BlockSlab
 from engine.spec import ModelCacheSpec
 
+if TYPE_CHECKING:
+    from engine.kv_arena import KVArena
 
-def _to_host(array: mx.array) -> np.ndarray:
-    """Zero-copy numpy view of an evaluated MLX array (bfloat16 as its uint16 bits)."""
+_MLX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def keep_buffers_resident(n_bytes: int) -> None:
+    """Let MLX keep at least `n_bytes` of freed buffers for reuse (never lowers the limit)."""
+    previous = mx.set_cache_limit(n_bytes)
+    if previous > n_bytes:
+        mx.set_cache_limit(previous)
+
+
+def host_view(array: mx.array) -> np.ndarray:
+    """Zero-copy numpy view of an evaluated MLX array (bfloat16 as its uint16 bits).
+
+    Writable: writing through it changes the MLX array in place, which is only safe on a
+    buffer no other MLX array shares. Drop the view after use: while it lives, MLX cannot
+    update the buffer in place and copies it instead.
+    """
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)
+        mx.eval(array)
     return np.asarray(array)
 
 
-class _Scratch(threading.local):
-    """A reused host buffer for gathering: fresh memory costs page faults that cost
-    more than the copy itself (about 1 GB/s here against 8 GB/s for warm memory)."""
-
-    buffer: np.ndarray | None = None
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        size = int(np.prod(shape)) * dtype.itemsize
-        if self.buffer is None or self.buffer.nbytes < size:
-            self.buffer = np.empty(size, dtype=np.uint8)
-        return self.buffer[:size].view(dtype).reshape(shape)
+def round_up(n_tokens: int, block_tokens: int) -> int:
+    return -(-n_tokens // block_tokens) * block_tokens
 
 
-_scratch = _Scratch()
+def empty_layer_buffers(spec: ModelCacheSpec, capacity: int) -> list[tuple[mx.array, mx.array]]:
+    """Fresh, exclusively owned (1, heads, capacity, dim) K and V buffers for every layer."""
+    dtype = _MLX_DTYPE[spec.dtype]
+    buffers = [
+        (
+            mx.zeros((1, spec.n_kv_heads, capacity, spec.k_head_dim), dtype=dtype),
+            mx.zeros((1, spec.n_kv_heads, capacity, spec.v_head_dim), dtype=dtype),
+        )
+        for _ in range(spec.n_layers)
+    ]
+    mx.eval(buffers)
+    return buffers
 
 
-def _gather(parts: list[np.ndarray], n_tokens: int) -> mx.array:
-    heads, _, dim = parts[0].shape
-    out = _scratch.take((1, heads, n_tokens, dim), parts[0].dtype)
-    np.concatenate(parts, axis=1, out=out[0])
-    return mx.array(out)
+def blocks_to_caches(
+    cache: AgentCache, n_tokens: int, capacity: int = 0, arena: KVArena | None = None
+) -> list[Any]:
+    """One mlx-lm KVCache per layer holding the first `n_tokens` tokens of `cache`.
 
-
-def blocks_to_caches(cache: AgentCache, n_tokens: int) -> list[Any]:
-    """Rebuild one mlx-lm KVCache per layer holding the first `n_tokens` tokens of `cache`."""
+    Each layer's buffer holds at least max(n_tokens, capacity) tokens, whole blocks, so a
+    sequence that knows how far it will grow never reallocates its cache. With an arena,
+    the buffers come from earlier sequences and need no fresh memory.
+    """
     from mlx_lm.models.cache import KVCache
 
     spec = cache.spec
-    prefix = cache.truncated(n_tokens)
-    layers: list[Any] = []
-    for layer in range(spec.n_layers):
-        layer_cache = KVCache()
-        if n_tokens > 0:
-            keys = _gather([b.keys[layer] for b in prefix.blocks], n_tokens)
-            values = _gather([b.values[layer] for b in prefix.blocks], n_tokens)
-            if spec.dtype == "bfloat16":
-                keys, values = keys.view(mx.bfloat16), values.view(mx.bfloat16)
-            layer_cache.state = (keys, values, n_tokens)
-            mx.eval(keys, values)  # before the scratch buffer is reused for the next array
-        layers.append(layer_cache)
+    n_tokens = min(n_tokens, cache.n_tokens)
+    layers: list[Any] = [KVCache() for _ in range(spec.n_layers)]
+    if n_tokens <= 0:
+        return layers
+    wanted = max(n_tokens, capacity)
+    buffers = (
+        arena.take(wanted)
+        if arena is not None
+        else empty_layer_buffers(spec, round_up(wanted, spec.block_tokens))
+    )
+    block_tokens = spec.block_tokens
+    for layer, (keys, values) in enumerate(buffers):
+        host_keys, host_values = host_view(keys)[0], host_view(values)[0]
+        for index, block in enumerate(cache.blocks):
+            start = index * block_tokens
+            if start >= n_tokens:
+                break
+            take = min(block.n_tokens, n_tokens - start)
+            copy_array(host_keys[:, start : start + take], block.keys[layer][:, :take])
+            copy_array(host_values[:, start : start + take], block.values[layer][:, :take])
+        del host_keys, host_values
+        layers[layer].keys, layers[layer].values = keys, values
+        layers[layer].offset = n_tokens
     return layers
 
 
-def caches_to_blocks(layers: list[Any], token_ids: list[int], spec: ModelCacheSpec) -> AgentCache:
-    """Cut a finished sequence's per-layer KVCache into 256-token blocks of host arrays.
+def caches_to_blocks(
+    layers: list[Any], token_ids: list[int], spec: ModelCacheSpec, slab: BlockSlab | None = None
+) -> AgentCache:
+    """Copy the first len(token_ids) tokens of per-layer caches into blocks of host arrays.
 
-    Full blocks of one layer share a single (n_blocks, heads, 256, dim) allocation, so
-    a cache costs two large allocations per layer instead of one per block: large
-    freed allocations are reused by the allocator, small ones each pay fresh pages.
+    `layers` are mlx-lm KVCaches (or anything with keys/values of shape (1, heads, >=n, dim)).
+    With a slab, the blocks' memory is recycled from earlier extracts.
     """
     n_tokens = len(token_ids)
-    states = [layer.state for layer in layers]
-    mx.eval([s[:2] for s in states])
-    per_layer = []
-    for state in states:
-        keys, values = _to_host(state[0])[0], _to_host(state[1])[0]
+    sources = [_layer_arrays(layer) for layer in layers]
+    mx.eval(sources)
+    if len(sources) != spec.n_layers:
+        raise RuntimeError(f"{len(sources)} cache layers for a spec of {spec.n_layers}")
+    host = [(host_view(keys)[0], host_view(values)[0]) for keys, values in sources]
+    for keys, _ in host:
         if keys.shape[1] < n_tokens:
             raise RuntimeError(f"cache holds {keys.shape[1]} tokens but the sequence has {n_tokens}")
-        per_layer.append(
-            (_split(keys, n_tokens, spec.block_tokens), _split(values, n_tokens, spec.block_tokens))
-        )
     n_blocks = spec.blocks_for(n_tokens)
-    blocks = [
-        KVBlock(keys=tuple(k[i] for k, _ in per_layer), values=tuple(v[i] for _, v in per_layer))
-        for i in range(n_blocks)
-    ]
+    slots = (
+        slab.take(n_blocks)
+        if slab is not None
+        else [np.empty(spec.bytes_per_block(), dtype=np.uint8) for _ in range(n_blocks)]
+    )
+    blocks = []
+    for index, slot in enumerate(slots):
+        start = index * spec.block_tokens
+        take = min(spec.block_tokens, n_tokens - start)
+        block = _block_in_slot(slot, spec, take)
+        for layer, (keys, values) in enumerate(host):
+            copy_array(block.keys[layer], keys[:, start : start + take])
+            copy_array(block.values[layer], values[:, start : start + take])
+        blocks.append(block)
     return AgentCache(spec, list(token_ids), blocks)
 
 
-def _split(array: np.ndarray, n_tokens: int, block_tokens: int) -> list[np.ndarray]:
-    """(heads, T, dim) -> contiguous (heads, <=block_tokens, dim) pieces covering n_tokens."""
-    heads, _, dim = array.shape
-    n_full = n_tokens // block_tokens
-    full = np.empty((n_full, heads, block_tokens, dim), dtype=array.dtype)
-    source = array[:, : n_full * block_tokens].reshape(heads, n_full, block_tokens, dim)
-    np.copyto(full, source.transpose(1, 0, 2, 3))
-    pieces = list(full)
-    if n_tokens > n_full * block_tokens:
-        pieces.append(np.ascontiguousarray(array[:, n_full * block_tokens : n_tokens]))
-    return pieces
+def _layer_arrays(layer: Any) -> tuple[mx.array, mx.array]:
+    keys = getattr(layer, "keys", None)
+    values = getattr(layer, "values", None)
+    if isinstance(keys, mx.array) and isinstance(values, mx.array):
+        return keys, values
+    state = layer.state
+    return state[0], state[1]
+
+
+def _block_in_slot(slot: np.ndarray, spec: ModelCacheSpec, n_tokens: int) -> KVBlock:
+    """A block of n_tokens laid out in `slot`: all layers' keys, then all layers' values,
+    each (heads, n_tokens, dim) array contiguous."""
+    dtype = np.dtype(NUMPY_STORAGE_DTYPE[spec.dtype])
+    heads = spec.n_kv_heads
+    key_bytes = spec.n_layers * heads * n_tokens * spec.k_head_dim * dtype.itemsize
+    value_bytes = spec.n_layers * heads * n_tokens * spec.v_head_dim * dtype.itemsize
+    keys = slot[:key_bytes].view(dtype).reshape(spec.n_layers, heads, n_tokens, spec.k_head_dim)
+    values = (
+        slot[key_bytes : key_bytes + value_bytes]
+        .view(dtype)
+        .reshape(spec.n_layers, heads, n_tokens, spec.v_head_dim)
+    )
+    return KVBlock(keys=tuple(keys), values=tuple(values))
+
+
+def mlx_dtype(spec: ModelCacheSpec) -> mx.Dtype:
+    return _MLX_DTYPE[spec.dtype]
