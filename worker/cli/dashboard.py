@@ -20,10 +20,10 @@ from typing import Any
 
 from redis import Redis
 
-# What a kvrq worker adds to its rq worker hash (worker/loop.py): jobs in the engine and jobs
-# held waiting for KV blocks or an agent. Optional: other rq workers have neither.
-RUNNING_FIELD = "kvrq_running"
-WAITING_FIELD = "kvrq_waiting"
+# RUNNING_FIELD / WAITING_FIELD: a kvrq worker's jobs in the engine and jobs held waiting (for KV
+# blocks or their agent), in its rq worker hash. Optional: other rq workers have neither.
+from producer.protocol import RUNNING_FIELD, WAITING_FIELD
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 9181
 INSTALL_HINT = "kvrq dashboard needs rq-dashboard: pip install -e '.[dashboard]'"
