@@ -302,6 +302,11 @@ def forget_worker(connection: Redis, worker_name: str, queue_names: list[str]) -
         pipe.execute()
 
 
+def workers_key(queue_name: str | None = None) -> str:
+    """rq's set of registered workers (of one queue, or all)."""
+    return REDIS_WORKER_KEYS if queue_name is None else WORKERS_BY_QUEUE_KEY % queue_name
+
+
 def worker_key(worker_name: str) -> str:
     return f"{BaseWorker.redis_worker_namespace_prefix}{worker_name}"
 

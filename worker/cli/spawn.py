@@ -20,6 +20,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from producer.protocol import DEFAULT_QUEUE
+from worker import rqexec
 
 
 def free_port() -> int:
@@ -91,7 +92,7 @@ def worker_process(
 
 
 def _listens(connection: Redis, queue: str) -> bool:
-    return bool(connection.scard(f"rq:workers:{queue}"))
+    return bool(connection.scard(rqexec.workers_key(queue)))
 
 
 def _pings(url: str) -> bool:

@@ -1,0 +1,53 @@
+"""The rq internals worker/rqexec.py relies on, checked against the installed rq.
+
+These fail loudly, naming what moved, when the pinned rq changes them: update rqexec.py (the
+only module that touches them) and the pin in pyproject together.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import rq
+from rq.executions import Execution
+from rq.job_lifecycle import record_job_failure
+from rq.registry import StartedJobRegistry
+from rq.worker import BaseWorker
+from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
+
+from tests.producer.fakes import fake_redis
+from tests.worker.harness import Harness
+
+
+def test_rq_is_the_pinned_minor_version() -> None:
+    assert rq.__version__.startswith("3.0."), f"rqexec.py was written against rq 3.0.x, not {rq.__version__}"
+
+
+def test_private_and_execution_api_signatures() -> None:
+    finalize = inspect.signature(BaseWorker._finalize_success)
+    assert list(finalize.parameters)[:5] == ["self", "job", "queue", "execution", "return_value"]
+    prepare = inspect.signature(BaseWorker.prepare_job_execution)
+    assert "remove_from_intermediate_queue" in prepare.parameters
+    assert "execution" in inspect.signature(BaseWorker.cleanup_execution).parameters
+    assert "exc_string" in inspect.signature(BaseWorker.handle_job_failure).parameters
+    assert list(inspect.signature(record_job_failure).parameters) == ["job", "exc_string", "pipeline"]
+    assert "cleanup" in inspect.signature(StartedJobRegistry.get_job_and_execution_ids).parameters
+    assert "xx" in inspect.signature(StartedJobRegistry.add_execution).parameters
+
+
+def test_key_layouts_rqexec_names_through_rq_constants() -> None:
+    assert REDIS_WORKER_KEYS == "rq:workers"
+    assert WORKERS_BY_QUEUE_KEY % "q" == "rq:workers:q"
+    assert BaseWorker.redis_worker_namespace_prefix == "rq:worker:"
+    execution = Execution(id="e1", job_id="j1", connection=fake_redis())
+    assert execution.composite_key == "j1:e1"  # StartedJobRegistry members: job_id:execution_id
+
+
+def test_a_started_job_is_one_execution_in_the_started_registry() -> None:
+    h = Harness()
+    job = h.producer.submit({"prompt": "x", "max_tokens": 1000})
+    h.loop.run_once()
+    (held,) = h.loop.scheduler.all()
+    registry = StartedJobRegistry("kvrq", connection=h.redis, serializer="json")
+    assert registry.get_job_and_execution_ids(cleanup=False) == [(job.id, held.execution.id)]
+    assert h.redis.zscore(registry.key, held.execution.composite_key) is not None
