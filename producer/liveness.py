@@ -2,7 +2,9 @@
 
 A job in a queue no live worker listens on waits forever without a sound; `kvrq generate`,
 `kvrq batch run` and `JobHandle.result()` use these helpers to say so after a few seconds.
-A worker counts as live while its rq worker key exists (rq lets it expire when heartbeats stop).
+A worker counts as live while its rq worker key exists (rq lets it expire when heartbeats stop)
+and, for a kvrq worker (its hash has CAPACITY_FIELD), while its liveness key exists too: that
+one is gone seconds after a `kill -9`, the rq key only minutes later.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from rq import Queue, Worker
 from rq.job import Job, JobStatus
 from rq.worker import BaseWorker
 
-from producer.protocol import SERIALIZER
+from producer.protocol import CAPACITY_FIELD, SERIALIZER, worker_alive_key
 
 #: Seconds of waiting before a client first says that no worker listens, then how often it repeats it.
 FIRST_NOTICE_S = 5.0
@@ -23,8 +25,18 @@ REPEAT_NOTICE_S = 30.0
 
 
 def live_workers(connection: Redis, queue: str) -> list[BaseWorker]:
-    """The rq workers registered for `queue` whose worker key still exists (JSON serializer, as kvrq's)."""
-    return Worker.all(queue=Queue(queue, connection=connection, serializer=SERIALIZER), serializer=SERIALIZER)
+    """The workers registered for `queue` that are alive (JSON serializer, as kvrq's)."""
+    registered = Worker.all(
+        queue=Queue(queue, connection=connection, serializer=SERIALIZER), serializer=SERIALIZER
+    )
+    if not registered:
+        return []
+    with connection.pipeline(transaction=False) as pipe:
+        for worker in registered:
+            pipe.hexists(worker.key, CAPACITY_FIELD)
+            pipe.exists(worker_alive_key(worker.name))
+        flags = pipe.execute()
+    return [w for i, w in enumerate(registered) if not flags[2 * i] or flags[2 * i + 1]]
 
 
 def no_worker_line(queue: str) -> str:

@@ -253,6 +253,7 @@ class WorkerLoop:
             return
         enqueued = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
         first = float(job.meta.setdefault(FIRST_ENQUEUED_META_KEY, enqueued))
+        job.meta.pop(ERROR_META_KEY, None)  # a job re-queued from the failed registry starts clean
         execution = rqexec.start_job(self.worker, job, queue)
         held = HeldJob(
             job=job,
