@@ -71,6 +71,14 @@ class GenerationRequest(BaseModel):
             raise ValueError(problem)
         return value
 
+    @field_validator("messages")
+    @classmethod
+    def _messages_fit_one_prompt(cls, value: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        total = sum(len(message.content) for message in value or ())
+        if total > MAX_PROMPT_CHARS:
+            raise ValueError(f"messages hold {total:,} characters in all, the limit is {MAX_PROMPT_CHARS:,}")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: list[str]) -> list[str]:

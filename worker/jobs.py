@@ -19,8 +19,9 @@ from rq.exceptions import DeserializationError
 from rq.job import Job
 
 from engine.params import SamplingParams
-from producer.models import GenerationRequest
+from producer.models import QUEUE_OPTION_FIELDS, GenerationRequest
 from producer.protocol import JOB_FUNCTION
+from worker.job_data import BoundedJob
 
 
 class JobRejected(Exception):
@@ -36,6 +37,8 @@ def generate(*args: Any, **kwargs: Any) -> dict[str, Any]:
 
 def request_from_job(job: Job) -> GenerationRequest:
     """Validate the job's payload as a GenerationRequest, or raise JobRejected with a one-line reason."""
+    if isinstance(job, BoundedJob) and job.data_problem is not None:
+        raise JobRejected(job.data_problem)
     try:
         func_name, args, kwargs = job.func_name, job.args, job.kwargs
     except DeserializationError:
@@ -46,6 +49,11 @@ def request_from_job(job: Job) -> GenerationRequest:
     if func_name != JOB_FUNCTION:
         raise JobRejected(f"this queue runs {JOB_FUNCTION} jobs only, not {func_name}")
     payload = _payload(list(args), dict(kwargs))
+    if isinstance(payload, dict) and (options := sorted(QUEUE_OPTION_FIELDS & payload.keys())):
+        raise JobRejected(
+            f"{', '.join(options)}: rq options, not request fields; the job runs on the queue it was "
+            "enqueued to: pass job_timeout=, result_ttl=, retry=Retry(max=N), at_front= to rq's enqueue"
+        )
     try:
         return GenerationRequest.model_validate(payload)
     except ValidationError as exc:

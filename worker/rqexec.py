@@ -39,6 +39,7 @@ from producer.protocol import (
     ErrorCode,
     cancel_key,
 )
+from worker.job_data import BoundedJob
 
 log = logging.getLogger("kvrq.worker")
 
@@ -70,6 +71,7 @@ class KvrqWorker(BaseWorker):
             name=name or default_worker_name(),
             connection=connection,
             serializer=SERIALIZER,
+            job_class=BoundedJob,  # job data over MAX_JOB_DATA_BYTES is never decompressed
             default_result_ttl=default_result_ttl,
             worker_ttl=max(heartbeat_ttl, 30),
             prepare_for_work=prepare_for_work,
