@@ -30,9 +30,12 @@ from producer.protocol import (
     SERIALIZER,
     ErrorCode,
     StreamEvent,
+    agent_home_key,
     cancel_key,
     failure_of,
     stream_key,
+    worker_alive_key,
+    worker_queue_name,
 )
 
 logger = logging.getLogger("kvrq.producer")
@@ -334,7 +337,10 @@ class Producer:
         *,
         connection: Redis | None = None,
         default_job_timeout: int = DEFAULT_JOB_TIMEOUT,
+        affinity: bool = True,
     ) -> None:
+        """`affinity`: send an agent's job to the worker that holds its cache hot (that worker's own
+        queue, drained before the shared one), when that worker is alive; else to the shared queue."""
         if connection is None:
             if redis_url is None:
                 raise ValueError("give redis_url or connection")
@@ -342,6 +348,7 @@ class Producer:
         self.connection = connection
         self.queue_name = queue
         self.default_job_timeout = default_job_timeout
+        self.affinity = affinity
         self._queues: dict[str, Queue] = {}
 
     def close(self) -> None:
@@ -382,9 +389,10 @@ class Producer:
         validated = [_validate(request) for request in requests]
         if job_ids is not None and len(job_ids) != len(validated):
             raise ValueError(f"{len(job_ids)} job ids for {len(validated)} requests")
+        homes = self._homes(validated)
         if job_ids is None:
             with self.connection.pipeline(transaction=False) as pipe:
-                jobs = [self._enqueue(request, None, pipe) for request in validated]
+                jobs = [self._enqueue(request, None, pipe, homes) for request in validated]
                 pipe.execute()
             return [self.handle(job.id) for job in jobs]
         keys = [Job.key_for(job_id) for job_id in job_ids]
@@ -396,17 +404,37 @@ class Producer:
                     pipe.multi()
                     for request, job_id, existing in zip(validated, job_ids, exists, strict=True):
                         if not existing:
-                            self._enqueue(request, job_id, pipe)
+                            self._enqueue(request, job_id, pipe, homes)
                     pipe.execute()
                     break
                 except WatchError:
                     continue  # another producer touched one of these ids: look again
         return [self.handle(job_id) for job_id in job_ids]
 
-    def _enqueue(self, request: GenerationRequest, job_id: str | None, pipe: Any) -> Job:
+    def _homes(self, requests: Sequence[GenerationRequest]) -> dict[str, str]:
+        """agent id -> the live worker holding its cache hot, for the agents among `requests`."""
+        agents = sorted({r.agent_id for r in requests if r.agent_id is not None}) if self.affinity else []
+        if not agents:
+            return {}
+        found = self.connection.mget([agent_home_key(agent) for agent in agents])
+        homes = {agent: _text(worker) for agent, worker in zip(agents, found, strict=True) if worker}
+        workers = sorted({worker for worker in homes.values() if worker})
+        if not workers:
+            return {}
+        beats = self.connection.mget([worker_alive_key(worker) for worker in workers])
+        alive = {worker for worker, beat in zip(workers, beats, strict=True) if beat}
+        return {agent: worker for agent, worker in homes.items() if worker in alive}
+
+    def _enqueue(
+        self, request: GenerationRequest, job_id: str | None, pipe: Any, homes: Mapping[str, str]
+    ) -> Job:
         retry = Retry(max=request.retries) if request.retries else None
         who = request.agent_id or "one-off"
-        return self.queue(request.queue).enqueue_call(
+        queue = request.queue or self.queue_name
+        home = homes.get(request.agent_id) if request.agent_id is not None else None
+        if home is not None:
+            queue = worker_queue_name(queue, home)
+        return self.queue(queue).enqueue_call(
             JOB_FUNCTION,
             args=(request.job_payload(),),
             timeout=request.job_timeout or self.default_job_timeout,
@@ -424,3 +452,7 @@ def _validate(request: GenerationRequest | Mapping[str, Any]) -> GenerationReque
     if isinstance(request, GenerationRequest):
         return GenerationRequest.model_validate(request.model_dump())
     return GenerationRequest.model_validate(dict(request))
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value

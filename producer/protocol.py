@@ -206,3 +206,27 @@ def worker_agents_key(worker_name: str) -> str:
 FIRST_ENQUEUED_META_KEY = "kvrq_first_enqueued_at"
 CRASHES_META_KEY = "kvrq_crashes"
 CRASH_BUDGET_META_KEY = "kvrq_crash_reruns"
+
+
+# ---- agent affinity: an agent's next job goes to the worker that holds its cache hot -------------
+
+#: Separates a shared queue's name from a worker's name in that worker's own queue ("kvrq~<worker>").
+#: Producers never accept it in a queue name (QUEUE_NAME_PATTERN), so the split is unambiguous.
+WORKER_QUEUE_SEPARATOR = "~"
+#: Seconds an agent -> worker record lives after the agent's last job on that worker.
+AGENT_HOME_TTL_S = 3600
+
+
+def worker_queue_name(queue: str, worker_name: str) -> str:
+    """The queue a worker drains before `queue`: jobs of agents whose cache it holds hot."""
+    return f"{queue}{WORKER_QUEUE_SEPARATOR}{worker_name}"
+
+
+def shared_queue_of(queue: str) -> str:
+    """The shared queue behind a worker's own queue (a shared queue is its own)."""
+    return queue.split(WORKER_QUEUE_SEPARATOR, 1)[0]
+
+
+def agent_home_key(agent_id: str) -> str:
+    """Name of the worker whose hot tier holds the agent's newest cache."""
+    return f"{_PREFIX}:agent-home:{agent_id}"

@@ -37,6 +37,7 @@ from rq.queue import Queue
 
 from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
 from producer.protocol import (
+    AGENT_HOME_TTL_S,
     CAPACITY_FIELD,
     ERROR_META_KEY,
     FIRST_ENQUEUED_META_KEY,
@@ -46,8 +47,12 @@ from producer.protocol import (
     POOL_BLOCKS_FIELD,
     RUNNING_FIELD,
     WAITING_FIELD,
+    WORKER_QUEUE_SEPARATOR,
     ErrorCode,
+    agent_home_key,
     cancel_key,
+    shared_queue_of,
+    worker_alive_key,
 )
 from worker import rqexec
 from worker.agent_turns import AgentTurns
@@ -106,7 +111,10 @@ class WorkerLoop:
         self.next_heartbeat = 0.0
         self.next_crash_check = 0.0
         self.next_maintenance = 0.0
-        self.counts = dict.fromkeys((*COUNTERS, "tokens", "cache_put_failed", "stale_puts"), 0)
+        self.next_steal = 0.0
+        self.counts = dict.fromkeys(
+            (*COUNTERS, "tokens", "cache_read_failed", "cache_put_failed", "stale_puts"), 0
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -215,18 +223,48 @@ class WorkerLoop:
     def _fill(self) -> None:
         block = self.idle_wait_s > 0 and not self.engine.has_work() and not self.scheduler
         while self.scheduler.wants_more(self.engine.free_slots()):
-            dequeued = self._dequeue(block)
+            dequeued = self._dequeue(block) or self._steal()
             block = False
             if dequeued is None:
                 return
             self._take(*dequeued)
             self._admit()
 
+    def _steal(self) -> tuple[Job, Queue] | None:
+        """With nothing in its own queues, take an affine job another worker leaves waiting.
+
+        From a dead worker's own queue at once; from a live one's once its oldest job has
+        waited `affinity_wait` (the worker is busy or draining). Looked at twice a second at most.
+        """
+        now = time.monotonic()
+        if not self.settings.affinity or now < self.next_steal:
+            return None
+        self.next_steal = now + 0.5
+        mine = {q.name for q in self.worker.queues}
+        shared = [q.name for q in self.worker.queues if shared_queue_of(q.name) == q.name]
+        others = [
+            q for name in shared for q in rqexec.worker_queues_of(self.connection, name) if q not in mine
+        ]
+        for name in others:
+            queue = Queue(name, connection=self.connection, serializer=self.worker.serializer)
+            if rqexec.waited_longer(queue, self.settings.affinity_wait) or not self._owner_alive(name):
+                dequeued = self._dequeue_from([queue])
+                if dequeued is not None:
+                    return dequeued
+        return None
+
+    def _owner_alive(self, worker_queue: str) -> bool:
+        owner = worker_queue.split(WORKER_QUEUE_SEPARATOR, 1)[1]
+        return bool(self.connection.exists(worker_alive_key(owner)))
+
     def _dequeue(self, block: bool) -> tuple[Job, Queue] | None:
+        return self._dequeue_from(self.worker.queues, self.idle_wait_s if block else None)
+
+    def _dequeue_from(self, queues: list[Queue], timeout: int | None = None) -> tuple[Job, Queue] | None:
         try:
             return Queue.dequeue_any(
-                self.worker.queues,
-                self.idle_wait_s if block else None,
+                queues,
+                timeout,
                 connection=self.connection,
                 job_class=self.worker.job_class,
                 serializer=self.worker.serializer,
@@ -301,11 +339,21 @@ class WorkerLoop:
                 self._waiting(held, "its agent's turn (an earlier job of the agent runs first)")
                 return False
         if held.cache is None:
-            held.cache = self.store.prefetch(held.agent_id, prompt_tokens=held.prompt_tokens)
+            held.cache = self._prefetch(held.agent_id, held.prompt_tokens)
         if not held.cache.done():
             self._waiting(held, "its agent's cache (reading)")
             return False
         return True
+
+    def _prefetch(self, agent_id: str, prompt_tokens: list[int]) -> Future[AgentCache | None]:
+        """The store's read of the agent's cache; a store that raises at once fails only this read."""
+        assert self.store is not None
+        try:
+            return self.store.prefetch(agent_id, prompt_tokens=prompt_tokens)
+        except Exception as exc:
+            failed: Future[AgentCache | None] = Future()
+            failed.set_exception(exc)
+            return failed
 
     def _waiting(self, held: HeldJob, reason: str) -> None:
         if held.wait_reason != reason:
@@ -324,6 +372,7 @@ class WorkerLoop:
                 log.warning(
                     "job %s: agent %s's saved cache unusable (%s): prefilling", held.id, held.agent_id, exc
                 )
+                self.counts["cache_read_failed"] += 1
                 uid = self._engine_submit(held, None)
         except PoolExhaustedError as exc:
             self._waiting(held, f"KV blocks: {exc}")
@@ -363,6 +412,7 @@ class WorkerLoop:
             return held.cache.result()
         except Exception:
             log.exception("job %s: reading agent %s's cache failed: prefilling", held.id, held.agent_id)
+            self.counts["cache_read_failed"] += 1
             return None
         finally:
             held.cache_load_s = time.perf_counter() - started
@@ -449,6 +499,8 @@ class WorkerLoop:
             return
         try:
             self.saving.append((held, self.store.put(held.agent_id, cache, fence=held.fence)))
+            if self.settings.affinity and self.settings.store_hot_mb > 0:
+                self.connection.set(agent_home_key(held.agent_id), self.worker.name, ex=AGENT_HOME_TTL_S)
         except Exception:
             # The answer is good; only the next turn's warm start is lost.
             log.exception("job %s: saving agent %s's cache failed", held.id, held.agent_id)

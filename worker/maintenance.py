@@ -23,7 +23,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import clean_registries
 
-from producer.protocol import CAPACITY_FIELD, SERIALIZER
+from producer.protocol import CAPACITY_FIELD, SERIALIZER, shared_queue_of
 from worker import rqexec
 from worker.agent_turns import release_dead_worker
 from worker.liveness import alive
@@ -65,7 +65,9 @@ def rerun_crashed(
     report = report or MaintenanceReport()
     at = time.time() if now is None else now
     dead: set[str] = set()
-    for name in queue_names:
+    shared = sorted({shared_queue_of(name) for name in queue_names})
+    checked = sorted({*shared, *(q for name in shared for q in rqexec.worker_queues_of(connection, name))})
+    for name in checked:
         queue = Queue(name, connection=connection, serializer=SERIALIZER)
         lock = f"kvrq:crash-check:{name}"
         if not connection.set(lock, "1", nx=True, px=_CRASH_LOCK_MS):
@@ -80,9 +82,9 @@ def rerun_crashed(
                     continue
                 outcome = rqexec.rerun_after_crash(queue, execution, default_budget=crash_reruns, why=why)
                 if outcome == "requeued":
-                    report.rerun.setdefault(name, []).append(execution.job_id)
+                    report.rerun.setdefault(shared_queue_of(name), []).append(execution.job_id)
                 elif outcome == "failed":
-                    report.crashed.setdefault(name, []).append(execution.job_id)
+                    report.crashed.setdefault(shared_queue_of(name), []).append(execution.job_id)
                 if execution.worker_name and not living.get(execution.worker_name, False):
                     dead.add(execution.worker_name)
         finally:
@@ -91,7 +93,7 @@ def rerun_crashed(
         release_dead_worker(connection, worker_name)
         rqexec.forget_worker(connection, worker_name, queue_names)
         report.dead_workers.append(worker_name)
-    for name in queue_names:
+    for name in shared:
         if report.rerun.get(name) or report.crashed.get(name):
             log.warning(
                 "queue %s: jobs of dead workers %s re-queued %s, failed (crash budget spent) %s",

@@ -16,6 +16,7 @@ import socket
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from queue import SimpleQueue
 from typing import Any
 
@@ -38,6 +39,8 @@ from producer.protocol import (
     SERIALIZER,
     ErrorCode,
     cancel_key,
+    shared_queue_of,
+    worker_queue_name,
 )
 from worker.job_data import BoundedJob
 
@@ -65,10 +68,15 @@ class KvrqWorker(BaseWorker):
         heartbeat_ttl: int = 90,
         default_result_ttl: int = 3600,
         prepare_for_work: bool = True,
+        affinity: bool = False,
     ) -> None:
+        """`affinity`: serve this worker's own queue of each shared queue first (agents it holds hot)."""
+        name = name or default_worker_name()
+        if affinity:
+            queues = [q for shared in queues for q in (worker_queue_name(shared, name), shared)]
         super().__init__(
             queues,
-            name=name or default_worker_name(),
+            name=name,
             connection=connection,
             serializer=SERIALIZER,
             job_class=BoundedJob,  # job data over MAX_JOB_DATA_BYTES is never decompressed
@@ -274,7 +282,8 @@ def rerun_after_crash(queue: Queue, execution: Execution, *, default_budget: int
             job.started_at = None
             job.ended_at = None
             job.worker_name = None
-            queue.enqueue_job(job, pipeline=pipe, at_front=True)  # first: it opens the MULTI
+            shared = Queue(shared_queue_of(queue.name), connection=connection, serializer=SERIALIZER)
+            shared.enqueue_job(job, pipeline=pipe, at_front=True)  # first: it opens the MULTI
             execution.delete(job, pipeline=pipe)
             outcome = "requeued"
         else:
@@ -323,3 +332,26 @@ def is_kvrq_worker(connection: Redis, worker_name: str, marker_field: str) -> bo
 
 def _text(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def worker_queues_of(connection: Redis, shared_queue: str) -> list[str]:
+    """Every worker's own queue of `shared_queue` that rq knows (live workers' and dead ones')."""
+    prefix = Queue.redis_queue_namespace_prefix + worker_queue_name(shared_queue, "")
+    keys = [_text(key) or "" for key in connection.smembers(Queue.redis_queues_keys)]
+    return sorted(
+        key.removeprefix(Queue.redis_queue_namespace_prefix) for key in keys if key.startswith(prefix)
+    )
+
+
+def waited_longer(queue: Queue, seconds: float) -> bool:
+    """Whether the job at the head of `queue` was enqueued more than `seconds` ago."""
+    head = queue.connection.lindex(queue.key, 0)
+    if head is None:
+        return False
+    enqueued = queue.connection.hget(Job.key_for(_text(head) or ""), "enqueued_at")
+    if enqueued is None:
+        return True  # a dangling id: let dequeue clean it up
+    stamp = datetime.fromisoformat((_text(enqueued) or "").replace("Z", "+00:00"))
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - stamp).total_seconds() > seconds

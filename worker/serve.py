@@ -66,6 +66,7 @@ def serve(settings: WorkerSettings) -> int:
         name=settings.name,
         heartbeat_ttl=settings.heartbeat_ttl,
         default_result_ttl=settings.result_ttl,
+        affinity=settings.affinity,
     )
     loop = WorkerLoop(
         engine=engine, store=store, rq_worker=rq_worker, settings=settings, model_name=settings.model

@@ -60,6 +60,12 @@ class WorkerSettings(BaseSettings):
     crash_reruns: int = Field(
         default=2, ge=0, description="re-runs of a job whose worker died (per job: meta kvrq_crash_reruns)"
     )
+    affinity: bool = Field(
+        default=True, description="serve this worker's own queue first: jobs of agents it holds hot"
+    )
+    affinity_wait: float = Field(
+        default=2.0, ge=0, description="seconds before a busy or draining worker's affine jobs go to others"
+    )
     maintenance_interval: float = Field(
         default=60.0, gt=0, description="seconds between abandoned-job cleanups"
     )

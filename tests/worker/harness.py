@@ -31,7 +31,10 @@ class Harness:
 
     def new_loop(self, engine: FakeEngine | None = None) -> WorkerLoop:
         worker = KvrqWorker(
-            ["kvrq"], connection=fake_redis(self.server), heartbeat_ttl=self.settings.heartbeat_ttl
+            ["kvrq"],
+            connection=fake_redis(self.server),
+            heartbeat_ttl=self.settings.heartbeat_ttl,
+            affinity=self.settings.affinity,
         )
         worker.register_birth()
         loop = WorkerLoop(

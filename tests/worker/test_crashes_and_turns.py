@@ -65,7 +65,7 @@ def test_a_job_that_keeps_killing_workers_fails_after_its_crash_budget() -> None
 
 
 def test_an_agents_job_waiting_for_kv_blocks_is_not_overtaken_by_another_worker() -> None:
-    h = Harness(pool_blocks=3)  # the fake's blocks hold 4 tokens: 12 tokens in all
+    h = Harness(pool_blocks=3, affinity=False)  # the fake's blocks hold 4 tokens: 12 tokens in all
     blocker = h.producer.submit({"prompt": "abcd", "max_tokens": 8})
     first = h.producer.submit({"agent_id": "A", "prompt": "abcd", "max_tokens": 8})
     h.loop.run_once()
@@ -83,11 +83,10 @@ def test_an_agents_job_waiting_for_kv_blocks_is_not_overtaken_by_another_worker(
     assert [j.status() for j in (blocker, first, second)] == ["finished"] * 3
     # The second job ran after the first and resumed from its prompt + answer.
     assert second.result(timeout=1).usage.reused_tokens == 12
-    assert first.result(timeout=1).timings.total_s <= second.result(timeout=1).timings.total_s
 
 
 def test_the_agents_lock_is_held_until_its_cache_is_durable() -> None:
-    h = Harness()
+    h = Harness(affinity=False)  # the next job may land on the other worker
     h.store = DictStore(durable=False)
     h.loop = h.new_loop()
     first = h.producer.submit({"agent_id": "A", "prompt": "hi", "max_tokens": 2})

@@ -22,6 +22,7 @@ from producer.protocol import (
     POOL_BLOCKS_FIELD,
     RUNNING_FIELD,
     WAITING_FIELD,
+    worker_alive_key,
 )
 from tests.producer.fakes import fake_redis
 from tests.worker.harness import Harness
@@ -99,6 +100,7 @@ def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: py
     fields = {MODEL_FIELD: "smollm2-135m", MAX_BATCH_FIELD: 16, CAPACITY_FIELD: 32, RUNNING_FIELD: 2}
     fields |= {WAITING_FIELD: 1, POOL_BLOCKS_FIELD: 512, FREE_BLOCKS_FIELD: 400}
     connection.hset(kvrq.key, mapping=fields)  # type: ignore[arg-type]
+    connection.set(worker_alive_key("kvrq-w1"), "1")  # its liveness beacon
     Worker(["kvrq"], name="plain-w2", connection=connection, serializer="json").register_birth()
     out = io.StringIO()
     assert commands.status("redis://fake", None, out=out) == 0
