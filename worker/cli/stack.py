@@ -197,7 +197,11 @@ class Stack:
         (self.data_dir / "redis").mkdir(parents=True, exist_ok=True)
         redis = self._start("redis", self._redis_argv())
         connection = Redis.from_url(self.redis_url, socket_timeout=2)
-        if not self._wait(lambda: redis.exited() or _pings(connection), REDIS_START_S) or redis.exited():
+        ready = self._wait(lambda: bool(self.signals) or redis.exited() or _pings(connection), REDIS_START_S)
+        if self.signals:  # Ctrl-C while Redis was starting
+            self._pump_all()
+            return 0
+        if not ready or redis.exited():
             self._pump_all()
             self.say(f"redis-server did not start on {LOOPBACK}:{self.redis_port}")
             return 1
