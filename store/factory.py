@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from engine.spec import ModelCacheSpec
 from store.backend import BlockBackend
 from store.disk import DiskStore
@@ -44,7 +46,8 @@ def open_backend(
             ttl_s=ttl_s,
             prefix=prefix,
         )
-    raise ValueError(f"unknown store URI {uri!r}: use disk:PATH, redis or redis://HOST:PORT/DB")
+    shown = re.sub(r"//.*@", "//***@", uri)  # a mistyped Redis URL may hold a password: never echo it
+    raise ValueError(f"unknown store URI {shown!r}: use disk:PATH, redis or redis://HOST:PORT/DB")
 
 
 def open_store(

@@ -10,6 +10,7 @@ import time
 
 from redis import Redis
 
+from producer.redact import redact_url
 from worker.backoff import Backoff
 from worker.loop import REDIS_DOWN, WorkerLoop
 from worker.rqexec import KvrqWorker
@@ -29,7 +30,7 @@ def wait_for_redis(url: str) -> Redis:
             return connection
         except REDIS_DOWN as exc:
             delay = backoff.next()
-            log.warning("Redis at %s unreachable (%s): retry in %.1f s", url, exc, delay)
+            log.warning("Redis at %s unreachable (%s): retry in %.1f s", redact_url(url), exc, delay)
             time.sleep(delay)
 
 
@@ -57,7 +58,10 @@ def serve(settings: WorkerSettings) -> int:
         quantization=settings.store_quantization,
     )
     log.info(
-        "model %s loaded in %.1f s; store %s", settings.model, time.perf_counter() - started, settings.store
+        "model %s loaded in %.1f s; store %s",
+        settings.model,
+        time.perf_counter() - started,
+        redact_url(settings.store),
     )
     connection = wait_for_redis(settings.redis_url)
     rq_worker = KvrqWorker(

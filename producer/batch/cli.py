@@ -84,7 +84,7 @@ def _redis_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis",
         default=os.environ.get("KVRQ_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL (default: $KVRQ_REDIS_URL or %(default)s)",
+        help=f"Redis URL (default: $KVRQ_REDIS_URL or {DEFAULT_REDIS_URL})",  # never the secret default
     )
 
 

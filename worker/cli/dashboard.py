@@ -12,7 +12,6 @@ rq-dashboard's row has room for only one "current job".
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import sys
 from datetime import datetime
@@ -23,6 +22,7 @@ from redis import Redis
 # RUNNING_FIELD / WAITING_FIELD: a kvrq worker's jobs in the engine and jobs held waiting (for KV
 # blocks or their agent), in its rq worker hash. Optional: other rq workers have neither.
 from producer.protocol import RUNNING_FIELD, WAITING_FIELD
+from producer.redact import redact_url
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 9181
@@ -154,7 +154,7 @@ def serve(
         print(f"kvrq dashboard: cannot listen on {bind}:{port}: {exc.strerror}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    print(f"rq-dashboard on http://{bind}:{server.port} for {_without_password(redis_url)}", flush=True)
+    print(f"rq-dashboard on http://{bind}:{server.port} for {redact_url(redis_url)}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -162,10 +162,6 @@ def serve(
     finally:
         server.server_close()
     return 0
-
-
-def _without_password(url: str) -> str:
-    return re.sub(r"://[^@/]*@", "://***@", url)
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
