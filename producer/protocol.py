@@ -29,6 +29,14 @@ RUNNING_FIELD = "kvrq_running"
 WAITING_FIELD = "kvrq_waiting"
 POOL_BLOCKS_FIELD = "kvrq_pool_blocks"
 FREE_BLOCKS_FIELD = "kvrq_free_blocks"
+#: Cache figures since the worker started: agents in its hot tier, cache lookups, hits in the hot
+#: tier, hits in all (hot tier or store), prompt tokens seen and prompt tokens reused from caches.
+HOT_AGENTS_FIELD = "kvrq_hot_agents"
+CACHE_LOOKUPS_FIELD = "kvrq_cache_lookups"
+HOT_HITS_FIELD = "kvrq_hot_hits"
+CACHE_HITS_FIELD = "kvrq_cache_hits"
+PROMPT_TOKENS_FIELD = "kvrq_prompt_tokens"
+REUSED_TOKENS_FIELD = "kvrq_reused_tokens"
 #: job.meta key of a failed job's structured error: {"code": ErrorCode value, "message": one line}.
 #: Clients and batch runs decide on `code`, never on the text of rq's exc_info.
 ERROR_META_KEY = "kvrq_error"

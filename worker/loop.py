@@ -38,13 +38,19 @@ from rq.queue import Queue
 from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
 from producer.protocol import (
     AGENT_HOME_TTL_S,
+    CACHE_HITS_FIELD,
+    CACHE_LOOKUPS_FIELD,
     CAPACITY_FIELD,
     ERROR_META_KEY,
     FIRST_ENQUEUED_META_KEY,
     FREE_BLOCKS_FIELD,
+    HOT_AGENTS_FIELD,
+    HOT_HITS_FIELD,
     MAX_BATCH_FIELD,
     MODEL_FIELD,
     POOL_BLOCKS_FIELD,
+    PROMPT_TOKENS_FIELD,
+    REUSED_TOKENS_FIELD,
     RUNNING_FIELD,
     WAITING_FIELD,
     WORKER_QUEUE_SEPARATOR,
@@ -113,7 +119,16 @@ class WorkerLoop:
         self.next_maintenance = 0.0
         self.next_steal = 0.0
         self.counts = dict.fromkeys(
-            (*COUNTERS, "tokens", "cache_read_failed", "cache_put_failed", "stale_puts"), 0
+            (
+                *COUNTERS,
+                "tokens",
+                "prompt_tokens",
+                "reused_tokens",
+                "cache_read_failed",
+                "cache_put_failed",
+                "stale_puts",
+            ),
+            0,
         )
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -489,6 +504,9 @@ class WorkerLoop:
             self._end_turn(held, outcome)
             steps.add("turn")
         self.counts[_counter(outcome)] += 1
+        if isinstance(outcome, Finished):
+            self.counts["prompt_tokens"] += outcome.completion.usage.prompt_tokens
+            self.counts["reused_tokens"] += outcome.completion.usage.reused_tokens
         self._log_ending(held, outcome)
 
     def _save_cache(self, held: HeldJob, outcome: Outcome) -> None:
@@ -655,6 +673,19 @@ class WorkerLoop:
             FREE_BLOCKS_FIELD: self.engine.pool.free_blocks,
             RUNNING_FIELD: len(self.scheduler.running),
             WAITING_FIELD: len(self.scheduler.waiting),
+            PROMPT_TOKENS_FIELD: self.counts["prompt_tokens"],
+            REUSED_TOKENS_FIELD: self.counts["reused_tokens"],
+            **self._cache_fields(),
+        }
+
+    def _cache_fields(self) -> dict[str, int]:
+        stats = self.store.stats() if self.store is not None else {}
+        hot_hits, hot_misses = stats.get("hot_hits", 0), stats.get("hot_misses", 0)
+        return {
+            HOT_AGENTS_FIELD: stats.get("hot_entries", 0),
+            CACHE_LOOKUPS_FIELD: hot_hits + hot_misses,
+            HOT_HITS_FIELD: hot_hits,
+            CACHE_HITS_FIELD: hot_hits + stats.get("hits", 0),
         }
 
     def _check_crashes(self) -> None:

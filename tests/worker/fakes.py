@@ -188,6 +188,9 @@ class DictStore:
         self.pending.append(future)
         return future
 
+    def stats(self) -> dict[str, int]:
+        return {"hot_entries": len(self.caches), "hot_hits": 0, "hot_misses": len(self.prefetches), "hits": 0}
+
     def settle(self) -> None:
         for future in self.pending:
             future.set_result(True)

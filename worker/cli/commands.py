@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import IO, Any
 
@@ -15,11 +16,17 @@ from producer.client import JobFailedError, JobHandle, Producer, ResultTimeoutEr
 from producer.liveness import WorkerWatch, live_workers
 from producer.models import GenerationRequest, GenerationResult
 from producer.protocol import (
+    CACHE_HITS_FIELD,
+    CACHE_LOOKUPS_FIELD,
     CAPACITY_FIELD,
     FREE_BLOCKS_FIELD,
+    HOT_AGENTS_FIELD,
+    HOT_HITS_FIELD,
     MAX_BATCH_FIELD,
     MODEL_FIELD,
     POOL_BLOCKS_FIELD,
+    PROMPT_TOKENS_FIELD,
+    REUSED_TOKENS_FIELD,
     RUNNING_FIELD,
     SERIALIZER,
     WAITING_FIELD,
@@ -121,7 +128,7 @@ def worker_lines(connection: Redis, worker: BaseWorker) -> list[str]:
             f"holds {fields.get(RUNNING_FIELD, '?')} running + {fields.get(WAITING_FIELD, '?')} waiting "
             f"(capacity {fields.get(CAPACITY_FIELD, '?')}, max_batch {fields.get(MAX_BATCH_FIELD, '?')}), "
             f"KV pool {fields.get(FREE_BLOCKS_FIELD, '?')}/{fields.get(POOL_BLOCKS_FIELD, '?')} blocks free, "
-            f"model {fields[MODEL_FIELD]}"
+            f"model {fields[MODEL_FIELD]}, {cache_line(fields)}"
         )
     else:
         holds = f"plain rq worker, {len(job_ids)} execution(s)"
@@ -134,6 +141,23 @@ def worker_lines(connection: Redis, worker: BaseWorker) -> list[str]:
         more = f" (+{len(job_ids) - MAX_LISTED_JOBS} more)" if len(job_ids) > MAX_LISTED_JOBS else ""
         lines.append(f"  jobs: {listed}{more}")
     return lines
+
+
+def cache_line(fields: Mapping[str, str | None]) -> str:
+    """Hot agents, cache hit rates and reused prompt tokens, from a kvrq worker's hash."""
+
+    def number(field: str) -> int:
+        value = fields.get(field)
+        return int(value) if value and value.isdigit() else 0
+
+    lookups, prompt = number(CACHE_LOOKUPS_FIELD), number(PROMPT_TOKENS_FIELD)
+    hot = f"{number(HOT_HITS_FIELD) / lookups:.0%}" if lookups else "-"
+    cache = f"{number(CACHE_HITS_FIELD) / lookups:.0%}" if lookups else "-"
+    reused = f"{number(REUSED_TOKENS_FIELD) / prompt:.0%}" if prompt else "-"
+    return (
+        f"{number(HOT_AGENTS_FIELD)} hot agent(s), cache hits {cache} of {lookups} lookups "
+        f"(hot tier {hot}), prompt tokens reused {reused}"
+    )
 
 
 def maintenance(

@@ -15,11 +15,17 @@ from rq import Worker
 from producer.client import Producer
 from producer.models import GenerationRequest
 from producer.protocol import (
+    CACHE_HITS_FIELD,
+    CACHE_LOOKUPS_FIELD,
     CAPACITY_FIELD,
     FREE_BLOCKS_FIELD,
+    HOT_AGENTS_FIELD,
+    HOT_HITS_FIELD,
     MAX_BATCH_FIELD,
     MODEL_FIELD,
     POOL_BLOCKS_FIELD,
+    PROMPT_TOKENS_FIELD,
+    REUSED_TOKENS_FIELD,
     RUNNING_FIELD,
     WAITING_FIELD,
     worker_alive_key,
@@ -99,6 +105,8 @@ def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: py
     kvrq.register_birth()
     fields = {MODEL_FIELD: "smollm2-135m", MAX_BATCH_FIELD: 16, CAPACITY_FIELD: 32, RUNNING_FIELD: 2}
     fields |= {WAITING_FIELD: 1, POOL_BLOCKS_FIELD: 512, FREE_BLOCKS_FIELD: 400}
+    fields |= {HOT_AGENTS_FIELD: 3, CACHE_LOOKUPS_FIELD: 8, HOT_HITS_FIELD: 4, CACHE_HITS_FIELD: 6}
+    fields |= {PROMPT_TOKENS_FIELD: 1000, REUSED_TOKENS_FIELD: 900}
     connection.hset(kvrq.key, mapping=fields)  # type: ignore[arg-type]
     connection.set(worker_alive_key("kvrq-w1"), "1")  # its liveness beacon
     Worker(["kvrq"], name="plain-w2", connection=connection, serializer="json").register_birth()
@@ -110,7 +118,8 @@ def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: py
     assert f"queue orphans: 1 queued, {counts}; no live worker listens" in lines
     kvrq_line = next(line for line in lines if line.startswith("worker kvrq-w1"))
     assert "holds 2 running + 1 waiting (capacity 32, max_batch 16), KV pool 400/512 blocks free" in kvrq_line
-    assert "model smollm2-135m, queues kvrq, last heartbeat" in kvrq_line
+    assert "model smollm2-135m, 3 hot agent(s), cache hits 75% of 8 lookups (hot tier 50%)" in kvrq_line
+    assert "prompt tokens reused 90%, queues kvrq, last heartbeat" in kvrq_line
     plain_line = next(line for line in lines if line.startswith("worker plain-w2"))
     assert "plain rq worker, 0 execution(s)" in plain_line
 
