@@ -305,7 +305,7 @@ class WorkerLoop:
             self.counts["failed"] += 1
             return
         enqueued = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
-        first = float(job.meta.setdefault(FIRST_ENQUEUED_META_KEY, enqueued))
+        first = _first_enqueued(job, enqueued)
         job.meta.pop(ERROR_META_KEY, None)  # a job re-queued from the failed registry starts clean
         execution = rqexec.start_job(self.worker, job, queue)
         held = HeldJob(
@@ -702,3 +702,11 @@ class WorkerLoop:
 
 def _counter(outcome: Outcome) -> str:
     return "dropped" if isinstance(outcome, TakenOver) else outcome.phase
+
+
+def _first_enqueued(job: Job, enqueued: float) -> float:
+    """The job's first enqueue time, kept in its meta across re-runs (junk there is replaced)."""
+    first = job.meta.get(FIRST_ENQUEUED_META_KEY)
+    if isinstance(first, bool) or not isinstance(first, int | float) or not 0 < first <= enqueued:
+        first = job.meta[FIRST_ENQUEUED_META_KEY] = enqueued
+    return float(first)

@@ -6,6 +6,7 @@ are published once it is back (a transaction: all of a flush lands, or none of i
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from redis import Redis
@@ -13,6 +14,8 @@ from rq.job import Job
 from rq.serializers import resolve_serializer
 
 from producer.protocol import SERIALIZER, StreamEvent, stream_key
+
+log = logging.getLogger("kvrq.worker")
 
 
 class Publisher:
@@ -44,7 +47,11 @@ class Publisher:
         current = job.meta.get("progress")
         merged = {**current, **progress} if isinstance(current, dict) else dict(progress)
         job.meta["progress"] = merged
-        self._meta[job.key] = self._serializer.dumps(job.meta)
+        try:
+            self._meta[job.key] = self._serializer.dumps(job.meta)
+        except (TypeError, ValueError):
+            # A meta kvrq cannot write back as JSON (a pickled job's): leave it as the client wrote it.
+            log.debug("job %s: meta is not JSON, progress not published", job.id)
 
     @property
     def pending(self) -> int:

@@ -39,12 +39,6 @@ def test_fuzzed_payloads_each_fail_alone_with_a_reason_naming_the_field() -> Non
     assert after.result(timeout=1).text == "abc"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(ValueError, TypeError),
-    reason="bug: WorkerLoop._take does float(job.meta.setdefault('kvrq_first_enqueued_at', ...)) on "
-    "whatever a client put in job.meta; junk there raises out of run_once and stops the worker",
-)
 @pytest.mark.parametrize("junk", ["soon", [1], {"t": 1}])
 def test_junk_in_kvrqs_job_meta_fails_only_that_job(junk: object) -> None:
     h = Harness()
@@ -57,12 +51,6 @@ def test_junk_in_kvrqs_job_meta_fails_only_that_job(junk: object) -> None:
     assert good.result(timeout=1).text == "abc"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="bug: a pickled job with a non-empty meta: rq restores its meta as {'unserialized': bytes}, "
-    "the rejection's progress write JSON-dumps it, TypeError escapes run_once and stops the worker",
-)
 def test_a_pickled_job_with_meta_fails_only_that_job() -> None:
     h = Harness()
     pickled = Queue("kvrq", connection=h.redis).enqueue_call(JOB_FUNCTION, args=(GOOD,), meta={"a": 1})
