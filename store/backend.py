@@ -93,9 +93,9 @@ class WritePlan:
         return sum(1 for slot in self.slots if isinstance(slot, BlockRef))
 
     @property
-    def kept_names(self) -> list[str]:
+    def kept(self) -> list[BlockRef]:
         """Blocks this plan references without writing them (reused from the previous manifest)."""
-        return [slot.name for slot in self.slots if isinstance(slot, BlockRef)]
+        return [slot for slot in self.slots if isinstance(slot, BlockRef)]
 
     def manifest(self) -> Manifest:
         """The manifest to swap in once the new blocks are written (waits for their CRCs)."""
@@ -107,6 +107,7 @@ class BlockBackend(ABC):
     """Base of the block-structured backends (one manifest + one blob per block per agent)."""
 
     kind = "backend"
+    part_bytes = 0  # blocks are stored as values of at most this many bytes (0: one value per block)
 
     def __init__(
         self,
@@ -132,7 +133,9 @@ class BlockBackend(ABC):
     def _read_manifest(self, agent_id: str) -> Blob | None: ...
 
     @abstractmethod
-    def _fetch_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[tuple[Blob, int] | None]:
+    def _fetch_blocks(
+        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+    ) -> list[tuple[Blob, int] | None]:
         """Each block's blob with its CRC-32 (computed while the next one is read), None where missing."""
 
     @abstractmethod
@@ -224,7 +227,7 @@ class BlockBackend(ABC):
         if n_tokens == 0 and manifest.n_tokens > 0:
             raise BadCacheError(NO_COMMON_PREFIX, "the prompt shares no token with the cache")
         refs = manifest.blocks[: self.spec.blocks_for(n_tokens)]
-        fetched = self._fetch_blocks(agent_id, refs)
+        fetched = self._fetch_blocks(agent_id, manifest, refs)
         if any(f is None for f in fetched):
             if self._manifest_generation(agent_id) != manifest.generation:
                 raise _Rewritten  # rewritten while we read: read the new one
@@ -290,9 +293,10 @@ class BlockBackend(ABC):
         generation = new_generation()
         chains = chain_keys(self.spec, self.quantization, self.group_size, cache.token_ids)
         reusable: dict[tuple[str, int], BlockRef] = {}
-        if previous is not None and (previous.quantization, previous.group_size) == (
+        if previous is not None and (previous.quantization, previous.group_size, previous.part_bytes) == (
             self.quantization,
             self.group_size,
+            self.part_bytes,
         ):
             reusable = {(ref.chain, ref.n_tokens): ref for ref in previous.blocks}
         slots: list[BlockRef | NewBlock] = []
@@ -313,6 +317,7 @@ class BlockBackend(ABC):
             generation=generation,
             created=time.time(),
             fence=fence,
+            part_bytes=self.part_bytes,
         )
         return WritePlan(draft, slots)
 

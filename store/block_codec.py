@@ -20,7 +20,7 @@ from engine.spec import ModelCacheSpec
 from store import quant
 from store.errors import BAD_BLOCK, CHECKSUM, TRUNCATED, BadCacheError
 from store.iopool import crc32_async
-from store.manifest import FORMAT_NAME, FORMAT_VERSION_NUMBER, BlockRef, Manifest, spec_fingerprint
+from store.manifest import BLOCK_FORMAT_VERSION, FORMAT_NAME, BlockRef, Manifest, spec_fingerprint
 from store.stfile import SafetensorsError, encode, parse_header, view
 
 _ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -51,7 +51,7 @@ def _block_metadata(
 ) -> dict[str, str]:
     return {
         "format": FORMAT_NAME,
-        "version": str(FORMAT_VERSION_NUMBER),
+        "version": str(BLOCK_FORMAT_VERSION),
         "kind": "block",
         "fingerprint": spec_fingerprint(spec),
         "dtype": spec.dtype,

@@ -136,7 +136,9 @@ class DiskStore(BlockBackend):
             self._remove_locked(key)
         self._stats.add("expired")
 
-    def _fetch_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[tuple[Blob, int] | None]:
+    def _fetch_blocks(
+        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+    ) -> list[tuple[Blob, int] | None]:
         """Read and checksum blocks on the helper threads: one block's CRC overlaps the next read."""
         blocks = self._agent_dir(agent_id) / "blocks"
 

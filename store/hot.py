@@ -88,6 +88,9 @@ class HotTierStore:
         self._pending_bytes = 0
         self._inflight: dict[str, _Write] = {}
         self._epoch = 0  # bumped by every put/delete: a slow backend read must not overwrite newer data
+        # agent -> the fence its in-memory cache is fresh as of (its own put's, or the turn that read it):
+        # another worker's later turn (a higher fence) may have written a newer cache to the backend.
+        self._fresh_as_of: dict[str, int] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._writer: threading.Thread | None = None
@@ -97,14 +100,20 @@ class HotTierStore:
         atexit.register(self._atexit)
 
     # --- reads ---------------------------------------------------------------------------------
-    def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
+    def get(
+        self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None, fence: int | None = None
+    ) -> AgentCache | None:
+        """The agent's cache. `fence`: the caller's turn (agent_turns); memory serves it only if it is
+        at least as new as the previous turn's, else the backend is read (another worker wrote it)."""
         validate_agent_id(agent_id)
-        hit, cache, epoch = self._from_memory(agent_id, prompt_tokens)
+        hit, cache, epoch = self._from_memory(agent_id, prompt_tokens, fence)
         if hit:
             return cache
-        return self._from_backend(agent_id, prompt_tokens, epoch)
+        return self._from_backend(agent_id, prompt_tokens, epoch, fence)
 
-    def prefetch(self, agent_id: str, *, prompt_tokens: Sequence[int] | None) -> Future[AgentCache | None]:
+    def prefetch(
+        self, agent_id: str, *, prompt_tokens: Sequence[int] | None, fence: int | None = None
+    ) -> Future[AgentCache | None]:
         """`get(agent_id, prompt_tokens=...)` computed on a background thread.
 
         A hot-tier hit comes back as an already finished future; otherwise the backend read,
@@ -115,7 +124,7 @@ class HotTierStore:
         validate_agent_id(agent_id)
         prompt = None if prompt_tokens is None else list(prompt_tokens)  # the caller may reuse its list
         self._stats.add("prefetches")
-        hit, cache, epoch = self._from_memory(agent_id, prompt)
+        hit, cache, epoch = self._from_memory(agent_id, prompt, fence)
         if hit:
             done: Future[AgentCache | None] = Future()
             done.set_result(cache)
@@ -127,14 +136,16 @@ class HotTierStore:
                 self._prefetcher = ThreadPoolExecutor(
                     PREFETCH_THREADS, thread_name_prefix="kvrq-store-prefetch"
                 )
-            return self._prefetcher.submit(self._from_backend, agent_id, prompt, epoch)
+            return self._prefetcher.submit(self._from_backend, agent_id, prompt, epoch, fence)
 
     def _from_memory(
-        self, agent_id: str, prompt_tokens: Sequence[int] | None
+        self, agent_id: str, prompt_tokens: Sequence[int] | None, fence: int | None = None
     ) -> tuple[bool, AgentCache | None, int]:
         """(hit, the get's result if hit, the epoch a backend read must compare against)."""
         with self._cond:
             cache = self._newest(agent_id)
+            if cache is not None and fence is not None and self._fresh_as_of.get(agent_id, -1) < fence - 1:
+                cache = None  # another worker's turn came between: its cache is in the backend
             if agent_id in self._lru:
                 self._lru.move_to_end(agent_id)
             epoch = self._epoch
@@ -145,13 +156,14 @@ class HotTierStore:
         return True, self._for_prompt(agent_id, cache, prompt_tokens), epoch
 
     def _from_backend(
-        self, agent_id: str, prompt_tokens: Sequence[int] | None, epoch: int
+        self, agent_id: str, prompt_tokens: Sequence[int] | None, epoch: int, fence: int | None = None
     ) -> AgentCache | None:
         cache = self.backend.get(agent_id, prompt_tokens=prompt_tokens)
         with self._cond:
             if self._epoch == epoch:
                 if cache is not None and not self._closed:
                     self._insert(agent_id, cache)
+                    self._mark_fresh(agent_id, fence)
                 return cache
             newer = self._newest(agent_id)  # put (or deleted) while we read: the newest wins
         return cache if newer is None else self._for_prompt(agent_id, newer, prompt_tokens)
@@ -203,12 +215,14 @@ class HotTierStore:
                 self._epoch += 1
                 if stands:
                     self._insert(agent_id, cache)
+                    self._mark_fresh(agent_id, fence)
             return future
         with self._cond:
             if self._closed:
                 raise StoreError("put on a closed store")
             self._epoch += 1
             self._insert(agent_id, cache)
+            self._mark_fresh(agent_id, fence)
             replaced = self._pending.get(agent_id)
             if replaced is not None:
                 self._pending_bytes -= replaced.cache.nbytes
@@ -241,6 +255,13 @@ class HotTierStore:
             future.set_result(written)
         return written
 
+    def _mark_fresh(self, agent_id: str, fence: int | None) -> None:
+        """Record the turn the in-memory cache is fresh as of (lock held); unknown without a fence."""
+        if fence is None:
+            self._fresh_as_of.pop(agent_id, None)
+        else:
+            self._fresh_as_of[agent_id] = fence
+
     def _insert(self, agent_id: str, cache: AgentCache) -> None:
         """Put into the LRU and evict the least recently used beyond the budget (lock held)."""
         old = self._lru.pop(agent_id, None)
@@ -252,6 +273,7 @@ class HotTierStore:
         self._lru_bytes += cache.nbytes
         while self._lru_bytes > self.capacity_bytes:
             victim, evicted = self._lru.popitem(last=False)
+            self._fresh_as_of.pop(victim, None)
             self._lru_bytes -= evicted.nbytes
             self._stats.add("hot_evictions")
             self._stats.add("hot_evicted_bytes", evicted.nbytes)

@@ -26,7 +26,12 @@ from store.errors import AGENT_MISMATCH, BAD_MANIFEST, FORMAT_VERSION, SPEC_MISM
 from store.stfile import SafetensorsError, TensorEntry, encode, parse_header, view
 
 FORMAT_NAME = "kvrq-agent-cache"
-FORMAT_VERSION_NUMBER = 1
+# Manifests: version 2 adds `fence` and `part_bytes` (blocks split into several Redis values). A version-1
+# reader must not take a version-2 Redis cache for a damaged one and delete it, hence the bump; version-1
+# manifests still read (fence 0, one value per block). Block blobs did not change: they stay version 1.
+FORMAT_VERSION_NUMBER = 2
+READABLE_VERSIONS = ("1", "2")
+BLOCK_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Manifest:
     generation: str  # unique per put: tells a reader a concurrent rewrite from a broken cache
     created: float
     fence: int = 0  # the writer's fencing token: a put with a lower one is dropped as stale
+    part_bytes: int = 0  # blocks are stored as values of at most this many bytes; 0: one value per block
 
     @property
     def n_tokens(self) -> int:
@@ -108,6 +114,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "generation": manifest.generation,
         "created": repr(manifest.created),
         "fence": str(manifest.fence),
+        "part_bytes": str(manifest.part_bytes),
         "tokens_crc32": str(zlib.crc32(tokens.data)),
     }
     metadata["checksum"] = str(_metadata_checksum(metadata))
@@ -124,10 +131,10 @@ def read_format(metadata: dict[str, str]) -> None:
     """Raise BadCacheError unless the metadata is this store's format, at this version."""
     if metadata.get("format") != FORMAT_NAME:
         raise BadCacheError(BAD_MANIFEST, f"not a {FORMAT_NAME} blob (format {metadata.get('format')!r})")
-    if metadata.get("version") != str(FORMAT_VERSION_NUMBER):
+    if metadata.get("version") not in READABLE_VERSIONS:
         raise BadCacheError(
             FORMAT_VERSION,
-            f"format version {metadata.get('version')!r}, this store reads {FORMAT_VERSION_NUMBER}",
+            f"format version {metadata.get('version')!r}, this store reads {', '.join(READABLE_VERSIONS)}",
         )
 
 
@@ -202,7 +209,24 @@ def _build(metadata: dict[str, str], tokens: np.ndarray, agent_id: str, spec: Mo
         generation=metadata["generation"],
         created=float(metadata["created"]),
         fence=_fence(metadata),
+        part_bytes=_part_bytes(metadata),
     )
+
+
+def _part_bytes(metadata: dict[str, str]) -> int:
+    """How the blocks are cut into stored values (absent before version 2: one value per block)."""
+    part_bytes = int(metadata.get("part_bytes", "0"))
+    if part_bytes < 0:
+        raise ValueError(f"negative part_bytes {part_bytes}")
+    return part_bytes
+
+
+def part_sizes(nbytes: int, part_bytes: int) -> list[int]:
+    """The sizes of the values a block of `nbytes` is stored as: consecutive byte ranges of its blob."""
+    if part_bytes <= 0 or nbytes <= part_bytes:
+        return [nbytes]
+    full, rest = divmod(nbytes, part_bytes)
+    return [part_bytes] * full + ([rest] if rest else [])
 
 
 def _fence(metadata: dict[str, str]) -> int:
@@ -240,8 +264,13 @@ class ManifestSummary:
     n_blocks: int
     quantization: str
     fingerprint: str
-    block_names: tuple[str, ...]
+    blocks: tuple[tuple[str, int], ...]  # (name, nbytes) of each block whose name is safe
     fence: int
+    part_bytes: int
+
+    @property
+    def block_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _nbytes in self.blocks)
 
 
 def summarize_manifest(blob: bytes | bytearray | memoryview) -> ManifestSummary:
@@ -256,8 +285,9 @@ def summarize_manifest(blob: bytes | bytearray | memoryview) -> ManifestSummary:
             n_blocks=len(raw_blocks),
             quantization=metadata["quantization"],
             fingerprint=metadata["fingerprint"],
-            block_names=tuple(str(entry[0]) for entry in raw_blocks if _safe_name(str(entry[0]))),
+            blocks=tuple((str(entry[0]), int(entry[3])) for entry in raw_blocks if _safe_name(str(entry[0]))),
             fence=_fence(metadata),
+            part_bytes=_part_bytes(metadata),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise BadCacheError(BAD_MANIFEST, f"manifest fields are inconsistent: {exc}") from None

@@ -3,7 +3,8 @@
 Keys, all under one prefix (default `kvrq:cache:`), `<key>` a hash of the agent id:
 
     <prefix><key>:m              the manifest (safetensors)
-    <prefix><key>:b:<name>       one block (safetensors)
+    <prefix><key>:b:<name>       one block (safetensors), or its first 4 MB when it is larger:
+    <prefix><key>:b:<name>:<i>   the block's next 4 MB ranges (i = 1, 2, ...)
     <prefix>index                sorted set: agent id -> last used (unix time)
     <prefix>sizes                hash: agent id -> bytes stored
 
@@ -13,7 +14,8 @@ WATCH on the manifest key: swaps in the manifest, makes the new blocks permanent
 (or gives them the agent TTL), deletes the blocks only the replaced manifest used,
 and updates index and sizes. If another writer swapped the manifest meanwhile the
 transaction aborts and the put commits again (re-planned only if blocks it reused are
-gone): last writer wins, never a mix.
+gone): last writer wins, never a mix. Reads pipeline GETs and receive each value
+straight into the block's buffer (store/resp.py), checksumming blocks as they complete.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import redis
 from redis.exceptions import DataError, RedisError, WatchError
 
@@ -43,10 +46,11 @@ from store.manifest import (
     Manifest,
     decode_manifest,
     encode_manifest,
+    part_sizes,
     stored_fence,
     summarize_manifest,
 )
-from store.resp import ScatterPacker, ScatterValue
+from store.resp import ScatterPacker, ScatterValue, get_into
 
 DEFAULT_PREFIX = "kvrq:cache:"
 PENDING_TTL_MS = 3_600_000  # an uncommitted block disappears after an hour
@@ -54,6 +58,9 @@ _PUT_ATTEMPTS = 8
 SOCKET_CONNECT_TIMEOUT_S = 5.0
 SOCKET_TIMEOUT_S = 60.0  # per socket operation, not per command: large values still fit
 _PIPELINE_BYTES = 64 * 1024 * 1024  # flush a block-writing pipeline every ~64 MB
+# Blocks are stored as values of at most 4 MB: a large value holds Redis's single thread (and every other
+# client) for its whole copy, and replication and client buffers handle many moderate values better.
+MAX_VALUE_BYTES = 4_000_000
 
 
 class RedisStore(BlockBackend):
@@ -69,11 +76,15 @@ class RedisStore(BlockBackend):
         max_bytes: int | None = None,
         ttl_s: int | None = None,
         prefix: str = DEFAULT_PREFIX,
+        value_bytes: int = MAX_VALUE_BYTES,
     ) -> None:
         super().__init__(spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes)
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        if value_bytes < 1024:
+            raise ValueError(f"value_bytes must be at least 1024, got {value_bytes}")
         self.ttl_s = ttl_s
+        self.part_bytes = value_bytes
         self.prefix = prefix
         if isinstance(url, str):
             # Timeouts (overridable in the URL) so a hung server cannot hang a worker's shutdown flush.
@@ -100,6 +111,15 @@ class RedisStore(BlockBackend):
     def _bkey(self, agent_id: str, name: str) -> str:
         return f"{self.prefix}{agent_key(agent_id)}:b:{name}"
 
+    def _part_keys(self, agent_id: str, name: str, nbytes: int, part_bytes: int) -> builtins.list[str]:
+        """The keys of a block's values: `...:b:<name>`, then `...:b:<name>:1`, `:2`... for the rest."""
+        base = self._bkey(agent_id, name)
+        count = len(part_sizes(nbytes, part_bytes))
+        return [base, *(f"{base}:{index}" for index in range(1, count))]
+
+    def _ref_keys(self, agent_id: str, refs: Sequence[BlockRef], part_bytes: int) -> builtins.list[str]:
+        return [key for ref in refs for key in self._part_keys(agent_id, ref.name, ref.nbytes, part_bytes)]
+
     def _backend_errors(self) -> tuple[type[Exception], ...]:
         return (RedisError,)
 
@@ -108,26 +128,82 @@ class RedisStore(BlockBackend):
         value = self._client.get(self._mkey(agent_id))
         return _as_blob(value)
 
-    def _fetch_blocks(self, agent_id: str, refs: Sequence[BlockRef]) -> list[tuple[Blob, int] | None]:
-        """GET the blocks in pipelined chunks; each chunk's CRCs run on helper threads while
-        the next chunk arrives."""
-        pending: list[tuple[Blob | None, Future[int] | None]] = []
+    def _fetch_blocks(
+        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+    ) -> builtins.list[tuple[Blob, int] | None]:
+        if self._scatter:
+            return self._fetch_into_place(agent_id, manifest, refs)
+        return self._fetch_with_client(agent_id, manifest, refs)
+
+    def _fetch_into_place(
+        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+    ) -> builtins.list[tuple[Blob, int] | None]:
+        """Each block's values read straight into one buffer per block (resp.get_into); a block's
+        CRC-32 runs on a helper thread as soon as its last value is in, while the next arrive."""
+        buffers = [np.empty(ref.nbytes, dtype=np.uint8) for ref in refs]
+        requests: builtins.list[tuple[bytes, memoryview]] = []
+        last_part: dict[int, int] = {}  # request index -> the block it completes
+        for block, (ref, buffer) in enumerate(zip(refs, buffers, strict=True)):
+            keys = self._part_keys(agent_id, ref.name, ref.nbytes, manifest.part_bytes)
+            view, offset = buffer.data, 0
+            for key, size in zip(keys, part_sizes(ref.nbytes, manifest.part_bytes), strict=True):
+                requests.append((key.encode(), view[offset : offset + size]))
+                offset += size
+            last_part[len(requests) - 1] = block
+        crcs: dict[int, Future[int]] = {}
+
+        def on_read(index: int) -> None:
+            block = last_part.get(index)
+            if block is not None:
+                crcs[block] = submit(zlib.crc32, buffers[block])
+
+        results = get_into(self._client.connection_pool, requests, on_read=on_read)
+        fetched: builtins.list[tuple[Blob, int] | None] = []
+        start = 0
+        for block, ref in enumerate(refs):
+            count = len(part_sizes(ref.nbytes, manifest.part_bytes))
+            parts, start = results[start : start + count], start + count
+            crc = crcs[block].result()
+            if any(part is None for part in parts):
+                fetched.append(None)
+            elif all(part is True for part in parts):
+                fetched.append((buffers[block].data, crc))
+            else:  # a value of another size: the block as stored, which decoding reports as truncated
+                blob = _join_parts(buffers[block], ref.nbytes, manifest.part_bytes, parts)
+                fetched.append((blob, zlib.crc32(blob)))
+        return fetched
+
+    def _fetch_with_client(
+        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+    ) -> builtins.list[tuple[Blob, int] | None]:
+        """The same through the client's own pipeline (a client we were handed, e.g. fakeredis)."""
+        fetched: builtins.list[tuple[Blob, int] | None] = []
         for chunk in _chunks(refs, _PIPELINE_BYTES // 2):
             pipe = self._client.pipeline(transaction=False)
+            counts = []
             for ref in chunk:
-                pipe.get(self._bkey(agent_id, ref.name))
-            for value in pipe.execute():
-                blob = _as_blob(value)
-                pending.append((blob, None if blob is None else submit(zlib.crc32, blob)))
-        return [None if blob is None or crc is None else (blob, crc.result()) for blob, crc in pending]
+                keys = self._part_keys(agent_id, ref.name, ref.nbytes, manifest.part_bytes)
+                counts.append(len(keys))
+                for key in keys:
+                    pipe.get(key)
+            values = [_as_blob(value) for value in pipe.execute()]
+            for count in counts:
+                parts, values = values[:count], values[count:]
+                if any(part is None for part in parts):
+                    fetched.append(None)
+                    continue
+                blob = parts[0] if count == 1 else b"".join(p for p in parts if p is not None)
+                assert blob is not None
+                fetched.append((blob, zlib.crc32(blob)))
+        return fetched
 
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
         pipe = self._client.pipeline(transaction=False)
         pipe.zadd(self._index, {agent_id: time.time()}, xx=True)
         if self.ttl_s is not None:  # sliding expiry: the whole cache lives ttl_s past its last use
             pipe.expire(self._mkey(agent_id), self.ttl_s)
-            for ref in manifest.blocks:
-                pipe.expire(self._bkey(agent_id, ref.name), self.ttl_s)
+            for key in self._ref_keys(agent_id, manifest.blocks, manifest.part_bytes):
+                pipe.expire(key, self.ttl_s)
         pipe.execute()
 
     # --- writes --------------------------------------------------------------------------------
@@ -150,7 +226,7 @@ class RedisStore(BlockBackend):
                     if plan is not None:
                         self._discard(agent_id, plan)
                     return False
-                if plan is None or not self._blocks_exist(tx, agent_id, plan.kept_names):
+                if plan is None or not self._blocks_exist(tx, agent_id, plan.kept):
                     # (Re)plan; a retry whose kept blocks still exist only needs the commit again.
                     if plan is not None:
                         self._discard(agent_id, plan)
@@ -159,7 +235,9 @@ class RedisStore(BlockBackend):
                 manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
                 manifest_blob = encode_manifest(manifest)
                 try:
-                    self._commit(tx, agent_id, plan, manifest, manifest_blob, self._names_in(current))
+                    self._commit(
+                        tx, agent_id, plan, manifest, manifest_blob, self._keys_in(agent_id, current)
+                    )
                 except WatchError:
                     continue
             self._count_put(plan, len(manifest_blob))
@@ -169,15 +247,19 @@ class RedisStore(BlockBackend):
             self._discard(agent_id, plan)
         raise StoreError(f"put of agent {agent_id!r} lost {_PUT_ATTEMPTS} races with other writers")
 
-    @staticmethod
-    def _names_in(blob: Blob | None) -> builtins.list[str]:
-        """Names of the blocks a manifest uses (whatever spec wrote it), [] if unreadable."""
+    def _keys_in(self, agent_id: str, blob: Blob | None) -> builtins.list[str]:
+        """The block keys a manifest uses (whatever spec wrote it), [] if unreadable."""
         if blob is None:
             return []
         try:
-            return list(summarize_manifest(blob).block_names)
+            summary = summarize_manifest(blob)
         except BadCacheError:
             return []
+        return [
+            key
+            for name, nbytes in summary.blocks
+            for key in self._part_keys(agent_id, name, nbytes, summary.part_bytes)
+        ]
 
     def _reusable(self, tx: Any, agent_id: str, blob: Blob | None) -> Manifest | None:
         """The current manifest if it is ours to build on and all its blocks are still there."""
@@ -187,13 +269,14 @@ class RedisStore(BlockBackend):
             previous = decode_manifest(blob, agent_id, self.spec)
         except BadCacheError:
             return None
-        names = [ref.name for ref in previous.blocks]
-        return previous if self._blocks_exist(tx, agent_id, names) else None
+        if previous.part_bytes != self.part_bytes:
+            return None  # cut into values of another size: plan_write would not reuse it anyway
+        return previous if self._blocks_exist(tx, agent_id, previous.blocks) else None
 
-    def _blocks_exist(self, tx: Any, agent_id: str, names: Sequence[str]) -> bool:
-        """Whether all these blocks exist; under WATCH they then survive until EXEC (only
-        commits, which touch the watched manifest, delete committed blocks)."""
-        keys = [self._bkey(agent_id, name) for name in names]
+    def _blocks_exist(self, tx: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
+        """Whether every value of these blocks exists; under WATCH they then survive until EXEC
+        (only commits, which touch the watched manifest, delete committed blocks)."""
+        keys = self._ref_keys(agent_id, refs, self.part_bytes)
         return not keys or tx.exists(*keys) == len(keys)
 
     def _value(self, parts: Sequence[bytes | memoryview]) -> Any:
@@ -207,8 +290,10 @@ class RedisStore(BlockBackend):
             pipe = self._client.pipeline(transaction=False)
             queued = 0
             for block in plan.new_blocks:
-                key = self._bkey(agent_id, block.name)
-                pipe.set(key, self._value(block.encoded.parts()), px=PENDING_TTL_MS)
+                keys = self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
+                values = split_parts(block.encoded.parts(), self.part_bytes)
+                for key, value in zip(keys, values, strict=True):
+                    pipe.set(key, self._value(value), px=PENDING_TTL_MS)
                 queued += block.encoded.nbytes
                 if queued >= _PIPELINE_BYTES:
                     pipe.execute()
@@ -229,17 +314,16 @@ class RedisStore(BlockBackend):
         old: Sequence[str],
     ) -> None:
         """One MULTI/EXEC: swap the manifest, settle block expiries, drop replaced blocks, index."""
-        new_names = {ref.name for ref in manifest.blocks}
-        written = {block.name for block in plan.new_blocks}
+        new_keys = set(self._ref_keys(agent_id, manifest.blocks, manifest.part_bytes))
+        written = set(self._ref_keys(agent_id, [block.ref() for block in plan.new_blocks], self.part_bytes))
         tx.multi()
         tx.set(self._mkey(agent_id), manifest_blob, ex=self.ttl_s)
-        for ref in manifest.blocks:
-            key = self._bkey(agent_id, ref.name)
+        for key in self._ref_keys(agent_id, manifest.blocks, manifest.part_bytes):
             if self.ttl_s is not None:
                 tx.expire(key, self.ttl_s)
-            elif ref.name in written:
+            elif key in written:
                 tx.persist(key)
-        stale = [self._bkey(agent_id, name) for name in old if name not in new_names]
+        stale = [key for key in old if key not in new_keys]
         if stale:
             tx.unlink(*stale)
         tx.zadd(self._index, {agent_id: time.time()})
@@ -247,7 +331,11 @@ class RedisStore(BlockBackend):
         tx.execute()
 
     def _discard(self, agent_id: str, plan: WritePlan) -> None:
-        keys = [self._bkey(agent_id, block.name) for block in plan.new_blocks]
+        keys = [
+            key
+            for block in plan.new_blocks
+            for key in self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
+        ]
         if keys:
             self._client.unlink(*keys)
 
@@ -270,21 +358,16 @@ class RedisStore(BlockBackend):
                 blob = _as_blob(tx.get(mkey))
                 if only_if is not None and (blob is None or bytes(blob) != only_if):
                     return False
-                names: builtins.list[str] = []
-                if blob is not None:
-                    try:
-                        names = list(summarize_manifest(blob).block_names)
-                    except BadCacheError:
-                        names = []
+                keys = self._keys_in(handle, blob)
                 tx.multi()
-                tx.unlink(mkey, *(self._bkey(handle, name) for name in names))
+                tx.unlink(mkey, *keys)
                 tx.zrem(self._index, handle)
                 tx.hdel(self._sizes, handle)
                 try:
                     tx.execute()
                 except WatchError:
                     continue
-            if blob is not None and not names:
+            if blob is not None and not keys:
                 self._sweep(handle)  # damaged manifest: find the agent's permanent blocks by pattern
             return blob is not None
         raise StoreError(f"delete of agent {handle!r} lost {_PUT_ATTEMPTS} races with other writers")
@@ -357,6 +440,38 @@ def _chunks(refs: Sequence[BlockRef], max_bytes: int) -> Iterator[Sequence[Block
             start, size = index + 1, 0
     if start < len(refs):
         yield refs[start:]
+
+
+def split_parts(
+    parts: Sequence[bytes | memoryview], part_bytes: int
+) -> builtins.list[builtins.list[memoryview]]:
+    """A blob given as buffers, cut into consecutive values of at most `part_bytes` (views, no copy)."""
+    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    if part_bytes <= 0:
+        return [views]
+    values: builtins.list[builtins.list[memoryview]] = [[]]
+    room = part_bytes
+    for view in views:
+        while len(view):
+            if room == 0:
+                values.append([])
+                room = part_bytes
+            piece, view = view[:room], view[room:]
+            values[-1].append(piece)
+            room -= len(piece)
+    return values
+
+
+def _join_parts(
+    buffer: np.ndarray, nbytes: int, part_bytes: int, parts: Sequence[bool | bytes | None]
+) -> bytes:
+    """A block whose values did not all have their recorded sizes, joined as stored."""
+    pieces: builtins.list[bytes] = []
+    offset = 0
+    for size, part in zip(part_sizes(nbytes, part_bytes), parts, strict=True):
+        pieces.append(buffer[offset : offset + size].tobytes() if part is True else bytes(part or b""))
+        offset += size
+    return b"".join(pieces)
 
 
 def _as_blob(value: object) -> Blob | None:

@@ -12,7 +12,10 @@ import itertools
 import sys
 
 from engine.spec import ModelCacheSpec
-from store.factory import open_store
+from store.backend import BlockBackend
+from store.disk import DiskStore
+from store.hot import HotTierStore
+from store.redis_store import RedisStore
 from tests.store.conftest import make_cache, tiny_spec, tokens
 
 AGENT = "crash-agent"
@@ -31,15 +34,19 @@ def crash_versions() -> list[list[int]]:
     return [base[: 900 + 200 * i] + tokens(300 + 17 * i, seed=100 + i) for i in range(4)]
 
 
-def store_uri(kind: str, location: str) -> str:
-    return f"disk:{location}" if kind == "disk" else location
+def open_crash_backend(kind: str, location: str) -> BlockBackend:
+    """The backend under test; in Redis each 64 KB block is cut into 16 KB values, so kills also
+    land between the values of one block."""
+    if kind == "disk":
+        return DiskStore(location, crash_spec())
+    return RedisStore(location, crash_spec(), prefix=REDIS_PREFIX, value_bytes=16_384)
 
 
 def main(argv: list[str]) -> None:
     kind, location = argv
-    spec = crash_spec()
-    caches = [make_cache(spec, version) for version in crash_versions()]
-    store = open_store(store_uri(kind, location), spec, hot_tier_bytes=0, prefix=REDIS_PREFIX)
+    backend = open_crash_backend(kind, location)
+    caches = [make_cache(backend.spec, version) for version in crash_versions()]
+    store = HotTierStore(backend, 0)
     print("ready", flush=True)
     for cache in itertools.cycle(caches):
         store.put(AGENT, cache).result()

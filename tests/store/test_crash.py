@@ -23,11 +23,11 @@ import pytest
 import redis
 
 from store.disk import DiskStore
-from store.factory import open_backend, open_store
+from store.factory import open_store
 from store.redis_store import RedisStore
 from tests.conftest import RedisServer
 from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
-from tests.store.crash_writer import AGENT, REDIS_PREFIX, crash_spec, crash_versions, store_uri
+from tests.store.crash_writer import AGENT, REDIS_PREFIX, crash_spec, crash_versions, open_crash_backend
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,7 @@ def _kill_during_puts(kind: str, location: str, rng: random.Random) -> None:
 
 def _check(kind: str, location: str) -> None:
     """A fresh store's get: a complete cache of one of the versions put."""
-    backend = open_backend(store_uri(kind, location), crash_spec(), prefix=REDIS_PREFIX)
+    backend = open_crash_backend(kind, location)
     try:
         got = backend.get(AGENT)
         stats = backend.stats()
@@ -87,14 +87,14 @@ def _stray(kind: str, location: str, *, put_first: bool = True, pending_too: boo
     """Files or keys the current manifest does not reference (after one more put, by default, which
     must clean up after a crashed one: on disk nothing may remain; in Redis only blocks still on their
     provisional expiry, unless `pending_too`)."""
-    backend = open_backend(store_uri(kind, location), crash_spec(), prefix=REDIS_PREFIX)
+    backend = open_crash_backend(kind, location)
     try:
         if put_first:
             assert backend.put(AGENT, make_cache(backend.spec, crash_versions()[0]))
         manifest = backend.read_manifest(AGENT)
         assert manifest is not None
-        names = {ref.name for ref in manifest.blocks}
         if isinstance(backend, DiskStore):
+            names = {ref.name for ref in manifest.blocks}
             directory = backend._agent_dir(AGENT)
             stray = [
                 p.name
@@ -105,8 +105,9 @@ def _stray(kind: str, location: str, *, put_first: bool = True, pending_too: boo
             return stray
         assert isinstance(backend, RedisStore)
         client = backend._client
+        referenced = set(backend._ref_keys(AGENT, manifest.blocks, manifest.part_bytes))
         keys = [k.decode() for k in client.scan_iter(match=f"{REDIS_PREFIX}*:b:*")]
-        return [k for k in keys if k.rsplit(":", 1)[1] not in names and (pending_too or client.pttl(k) == -1)]
+        return [k for k in keys if k not in referenced and (pending_too or client.pttl(k) == -1)]
     finally:
         backend.close()
 
@@ -114,7 +115,7 @@ def _stray(kind: str, location: str, *, put_first: bool = True, pending_too: boo
 def _rounds(kind: str, location: str, rounds: int, seed: int) -> None:
     """`rounds` kills (more, up to 4x, until one lands inside a put: most do, but not every one)."""
     rng = random.Random(seed)
-    first = open_backend(store_uri(kind, location), crash_spec(), prefix=REDIS_PREFIX)
+    first = open_crash_backend(kind, location)
     assert first.put(AGENT, make_cache(first.spec, crash_versions()[0]))  # a previous cache to keep
     first.close()
     done = half_written = 0
@@ -222,10 +223,8 @@ def test_a_full_redis_fails_the_put_and_keeps_the_previous_cache(own_redis_serve
     assert_same_cache(fresh.get("a"), previous)
     manifest = fresh.read_manifest("a")
     assert manifest is not None
-    referenced = {ref.name for ref in manifest.blocks}
-    stray = [
-        k for k in client.scan_iter(match="full:*:b:*") if k.decode().rsplit(":", 1)[1] not in referenced
-    ]
+    referenced = set(fresh._ref_keys("a", manifest.blocks, manifest.part_bytes))
+    stray = [k for k in client.scan_iter(match="full:*:b:*") if k.decode() not in referenced]
     assert stray == []  # the failed put removed the blocks it had written
     other = make_cache(spec, tokens(50, seed=2))
     assert store.put("b", other).result(timeout=30) is True

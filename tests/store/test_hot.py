@@ -56,6 +56,26 @@ def test_hit_after_put_does_no_backend_io(tmp_path: Path) -> None:
     store.close()
 
 
+def test_memory_older_than_the_previous_turn_is_not_served(tmp_path: Path) -> None:
+    """Two workers' hot tiers over one backend: an agent's turn 3 on worker A must see what turn 2
+    wrote on worker B, not A's own turn-1 cache still in memory."""
+    backend = DiskStore(tmp_path / "shared", tiny_spec())
+    a, b = HotTierStore(backend, 1 << 24), HotTierStore(backend, 1 << 24)
+    turn1 = make_cache(a.spec, tokens(40))
+    assert a.put("agent", turn1, fence=1).result(timeout=10)
+    turn2 = make_cache(b.spec, tokens(90))
+    assert b.put("agent", turn2, fence=2).result(timeout=10)
+    newest = a.prefetch("agent", prompt_tokens=tokens(100), fence=3).result(timeout=10)
+    assert newest is not None
+    assert_same_cache(newest, turn2)
+    stats = a.stats()
+    assert stats["hot_misses"] == 1 and stats["hits"] == 1
+    assert a.get("agent", fence=3) is not None and a.stats()["hot_hits"] == 1  # now fresh in memory
+    assert a.get("agent", fence=2) is not None  # a turn right after its own put: served from memory
+    a.close()
+    b.close()
+
+
 def test_close_flushes_every_pending_write(tmp_path: Path) -> None:
     store, backend = _hot(tmp_path)
     backend.gate.clear()
