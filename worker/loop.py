@@ -354,17 +354,18 @@ class WorkerLoop:
                 self._waiting(held, "its agent's turn (an earlier job of the agent runs first)")
                 return False
         if held.cache is None:
-            held.cache = self._prefetch(held.agent_id, held.prompt_tokens)
+            held.cache = self._prefetch(held.agent_id, held.prompt_tokens, held.fence)
         if not held.cache.done():
             self._waiting(held, "its agent's cache (reading)")
             return False
         return True
 
-    def _prefetch(self, agent_id: str, prompt_tokens: list[int]) -> Future[AgentCache | None]:
-        """The store's read of the agent's cache; a store that raises at once fails only this read."""
+    def _prefetch(self, agent_id: str, prompt_tokens: list[int], fence: int) -> Future[AgentCache | None]:
+        """The store's read of the agent's cache, as new as its turn (`fence`) needs; a store that
+        raises at once fails only this read."""
         assert self.store is not None
         try:
-            return self.store.prefetch(agent_id, prompt_tokens=prompt_tokens)
+            return self.store.prefetch(agent_id, prompt_tokens=prompt_tokens, fence=fence)
         except Exception as exc:
             failed: Future[AgentCache | None] = Future()
             failed.set_exception(exc)

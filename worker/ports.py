@@ -44,8 +44,11 @@ class Engine(Protocol):
 
 
 class Store(Protocol):
-    def prefetch(self, agent_id: str, *, prompt_tokens: Sequence[int]) -> Future[AgentCache | None]:
-        """The agent's cache (prefix shared with the prompt), read and decoded off the caller's thread."""
+    def prefetch(
+        self, agent_id: str, *, prompt_tokens: Sequence[int], fence: int | None = None
+    ) -> Future[AgentCache | None]:
+        """The agent's cache (prefix shared with the prompt), read and decoded off the caller's thread;
+        with `fence` (the caller's turn), never one older than the previous turn wrote."""
         ...
 
     def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> Future[bool]:

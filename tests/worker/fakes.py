@@ -174,7 +174,9 @@ class DictStore:
     def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
         return self.caches.get(agent_id)
 
-    def prefetch(self, agent_id: str, *, prompt_tokens: Sequence[int]) -> Future[AgentCache | None]:
+    def prefetch(
+        self, agent_id: str, *, prompt_tokens: Sequence[int], fence: int | None = None
+    ) -> Future[AgentCache | None]:
         self.prefetches.append(agent_id)
         return done(self.get(agent_id, prompt_tokens=prompt_tokens))
 

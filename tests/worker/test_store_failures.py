@@ -42,7 +42,9 @@ class FailingStore(DictStore):
         self.put_raises = put_raises
         self.put_fails = put_fails
 
-    def prefetch(self, agent_id: str, *, prompt_tokens: Sequence[int]) -> Future[AgentCache | None]:
+    def prefetch(
+        self, agent_id: str, *, prompt_tokens: Sequence[int], fence: int | None = None
+    ) -> Future[AgentCache | None]:
         self.prefetches.append(agent_id)
         if self.prefetch_raises:
             raise StoreError("prefetch on a closed store")
