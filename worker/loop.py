@@ -125,6 +125,7 @@ class WorkerLoop:
                 "prompt_tokens",
                 "reused_tokens",
                 "cache_read_failed",
+                "crash_reruns",
                 "cache_put_failed",
                 "stale_puts",
             ),
@@ -691,7 +692,8 @@ class WorkerLoop:
 
     def _check_crashes(self) -> None:
         names = [q.name for q in self.worker.queues]
-        rerun_crashed(self.connection, names, crash_reruns=self.settings.crash_reruns)
+        report = rerun_crashed(self.connection, names, crash_reruns=self.settings.crash_reruns)
+        self.counts["crash_reruns"] += sum(len(ids) for ids in report.rerun.values())
         self.next_crash_check = time.monotonic() + self.settings.crash_check_interval
 
     def _maintenance(self) -> None:

@@ -77,6 +77,11 @@ def serve(settings: WorkerSettings) -> int:
     )
     loop.install_signal_handlers()
     loop.start()
+    if settings.metrics_port is not None:
+        from worker.metrics import serve_metrics
+
+        serve_metrics(loop, settings.metrics_port, settings.metrics_host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
     try:
         return loop.run()
     finally:

@@ -82,6 +82,10 @@ class WorkerSettings(BaseSettings):
     progress_interval: float = Field(
         default=0.5, ge=0, description="seconds between job.meta progress updates"
     )
+    metrics_port: int | None = Field(
+        default=None, gt=0, lt=65536, description="serve Prometheus metrics on this port (off when unset)"
+    )
+    metrics_host: str = Field(default="127.0.0.1", description="address the metrics endpoint binds to")
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
 
     @field_validator("queues")

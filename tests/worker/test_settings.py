@@ -66,6 +66,7 @@ NONE_DEFAULTS_AS_DOCUMENTED = {
     "pool_blocks": "",
     "name": "`kvrq.HOST.PID.xxxx`",
     "max_held": "`2 x max_batch`",
+    "metrics_port": "off",
 }
 
 

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--crash-reruns", type=int, help="re-runs of a job whose worker died, before it fails [2]"
     )
+    worker.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (off if unset)"
+    )
     worker.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     worker.set_defaults(func=_cmd_worker)
 
@@ -147,6 +150,7 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
             "heartbeat_ttl",
             "liveness_ttl",
             "crash_reruns",
+            "metrics_port",
             "log_level",
         )
         if getattr(args, name, None) is not None

@@ -1,0 +1,36 @@
+"""The optional Prometheus endpoint: off unless asked, loopback, and what it exports."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from tests.conftest import free_port
+from tests.worker.harness import Harness
+from worker.metrics import serve_metrics
+
+
+def test_metrics_export_jobs_tokens_cache_and_queues() -> None:
+    h = Harness()
+    handles = [
+        h.producer.submit({"agent_id": "A", "prompt": "hi" * (i + 1), "max_tokens": 3}) for i in range(2)
+    ]
+    queued = h.producer.submit({"prompt": "later", "max_tokens": 2})
+    h.run_until(h.all_ended(handles))
+    port = free_port()
+    server = serve_metrics(h.loop, port)
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        server.shutdown()
+    me = f'worker="{h.loop.worker.name}"'
+    assert f'kvrq_jobs_total{{outcome="finished",{me}}} {float(h.loop.counts["finished"])}' in text
+    assert h.loop.counts["finished"] >= 2
+    assert f"kvrq_generated_tokens_total{{{me}}} {float(h.loop.counts['tokens'])}" in text
+    assert f"kvrq_reused_tokens_total{{{me}}} 2.0" in text  # the second turn reused its "hi"
+    assert f"kvrq_cache_lookups_total{{{me}}}" in text and "kvrq_queue_depth" in text
+    assert queued.status() in ("queued", "started", "finished")
+
+
+def test_the_worker_serves_no_metrics_unless_asked() -> None:
+    assert Harness().settings.metrics_port is None

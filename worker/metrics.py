@@ -1,0 +1,92 @@
+"""An optional Prometheus endpoint (`--metrics-port`, off unless asked, loopback by default).
+
+Nothing is pushed: a scrape reads the worker's own counters (`WorkerLoop.counts`), its store's
+counters and the queue depths at that moment. Rates (tokens/s) are the scraper's job:
+`rate(kvrq_generated_tokens_total[1m])`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from producer.protocol import shared_queue_of
+from worker.outcomes import COUNTERS
+
+if TYPE_CHECKING:
+    from worker.loop import WorkerLoop
+
+
+class WorkerCollector:
+    def __init__(self, loop: WorkerLoop) -> None:
+        self.loop = loop
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        loop = self.loop
+        counts = dict(loop.counts)
+        stats = loop.store.stats() if loop.store is not None else {}
+        labels = ["worker"]
+        me = [loop.worker.name]
+
+        jobs = CounterMetricFamily(
+            "kvrq_jobs", "jobs ended by this worker, by outcome", labels=[*labels, "outcome"]
+        )
+        for outcome in COUNTERS:
+            jobs.add_metric([*me, outcome], counts.get(outcome, 0))
+        yield jobs
+        for name, key, text in (
+            ("kvrq_generated_tokens", "tokens", "tokens generated"),
+            ("kvrq_prompt_tokens", "prompt_tokens", "prompt tokens of finished jobs"),
+            ("kvrq_reused_tokens", "reused_tokens", "prompt tokens whose KV came from a saved cache"),
+            ("kvrq_crash_reruns", "crash_reruns", "jobs of dead workers this worker re-queued"),
+            ("kvrq_cache_read_failures", "cache_read_failed", "agent caches that could not be used"),
+            ("kvrq_cache_put_failures", "cache_put_failed", "agent caches that could not be saved"),
+        ):
+            family = CounterMetricFamily(name, text, labels=labels)
+            family.add_metric(me, counts.get(key, 0))
+            yield family
+        hot_hits, hot_misses = stats.get("hot_hits", 0), stats.get("hot_misses", 0)
+        for name, value, text in (
+            ("kvrq_cache_lookups", hot_hits + hot_misses, "agent cache lookups"),
+            (
+                "kvrq_cache_hits",
+                hot_hits + stats.get("hits", 0),
+                "lookups served from the hot tier or the store",
+            ),
+            ("kvrq_cache_hot_hits", hot_hits, "lookups served from the hot tier"),
+            (
+                "kvrq_cache_evictions",
+                stats.get("evictions", 0) + stats.get("hot_evictions", 0),
+                "caches evicted",
+            ),
+        ):
+            family = CounterMetricFamily(name, text, labels=labels)
+            family.add_metric(me, value)
+            yield family
+        held = GaugeMetricFamily("kvrq_jobs_held", "jobs this worker holds", labels=[*labels, "state"])
+        held.add_metric([*me, "running"], len(loop.scheduler.running))
+        held.add_metric([*me, "waiting"], len(loop.scheduler.waiting))
+        yield held
+        free = GaugeMetricFamily("kvrq_kv_blocks_free", "free blocks in the KV pool", labels=labels)
+        free.add_metric(me, loop.engine.pool.free_blocks)
+        yield free
+        depth = GaugeMetricFamily(
+            "kvrq_queue_depth", "jobs waiting in each queue this worker serves", labels=["queue"]
+        )
+        for queue in loop.worker.queues:
+            if shared_queue_of(queue.name) == queue.name:
+                depth.add_metric([queue.name], queue.count)
+        yield depth
+
+
+def serve_metrics(loop: WorkerLoop, port: int, host: str = "127.0.0.1") -> Any:
+    """Start the endpoint on a thread of its own; returns the server (`.shutdown()` stops it)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.core import CollectorRegistry
+
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(loop))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
