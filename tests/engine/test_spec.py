@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache
 
 from engine.errors import UnsupportedModelError
 from engine.spec import LayerSpec, ModelCacheSpec, spec_from_model
@@ -39,15 +39,26 @@ def test_builtin_model_spec(smollm2: tuple[object, object]) -> None:
     assert spec.bytes_per_block() == 30 * 3 * 128 * 4 * 256
 
 
-def test_unsupported_cache_type_names_the_layer() -> None:
-    class RecurrentModel:
+def test_unsupported_cache_type_names_the_layer_and_the_reason() -> None:
+    class QuantizedModel:
         layers = [object(), object()]
 
         def make_cache(self) -> list[object]:
-            return [KVCache(), ArraysCache(size=2)]
+            return [KVCache(), QuantizedKVCache()]
 
-    with pytest.raises(UnsupportedModelError, match="layer 1 uses ArraysCache"):
-        spec_from_model(RecurrentModel(), "recurrent")
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 uses QuantizedKVCache: mlx-lm cannot batch it"):
+        spec_from_model(QuantizedModel(), "quantized")
+
+
+def test_cache_list_member_is_named() -> None:
+    class ChunkedHybrid:
+        layers = [object()]
+
+        def make_cache(self) -> list[object]:
+            return [CacheList(ArraysCache(size=2), ChunkedKVCache(64))]
+
+    with pytest.raises(UnsupportedModelError, match="layer 0 member 1 uses ChunkedKVCache"):
+        spec_from_model(ChunkedHybrid(), "chunked")
 
 
 def test_fingerprint_changes_with_any_field() -> None:
