@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from producer.client import Producer
+from producer.client import JobHandle, Producer
+from producer.models import GenerationResult
 from tests.worker.procs import RedisProcess, WorkerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -114,15 +115,22 @@ def test_a_prompt_the_cache_fully_covers_and_a_one_token_suffix(producer: Produc
 def test_a_resume_joining_a_batch_already_decoding(producer: Producer) -> None:
     first = ask(producer, "qa", messages([], QUESTIONS[3]), "joiner")
     second_chat = messages([(QUESTIONS[3], first.text)], QUESTIONS[2])
-    busy = [
-        producer.submit({"messages": messages([], q), "max_tokens": 60, "queue": "qa"}) for q in QUESTIONS[:2]
-    ]
+    long_jobs = [{"messages": messages([], q), "max_tokens": 120, "queue": "qa"} for q in QUESTIONS[:2]]
+    busy = [producer.submit(job) for job in long_jobs]
     for handle in busy:
         next(e for e in handle.events(timeout=300) if e.kind == "delta")  # both are decoding
-    resumed = ask(producer, "qa", second_chat, "joiner")
+    joined = producer.submit({"agent_id": "joiner", "messages": second_chat, "max_tokens": 10, "queue": "qa"})
+    resumed = joined.result(timeout=300)
     assert resumed.usage.reused_tokens > 0
-    assert busy[0].status() == "started"  # it joined while they decoded
+    for handle in busy:
+        done = handle.result(timeout=300)
+        assert done.finish_reason == "length"  # they decoded all along: the resume joined their batch
+        assert ended_at(handle, done) > ended_at(joined, resumed)
     fresh = ask(producer, "qa", second_chat, None)
     assert resumed.token_ids == fresh.token_ids
-    for handle in busy:
-        handle.result(timeout=300)
+
+
+def ended_at(handle: JobHandle, result: GenerationResult) -> float:
+    enqueued = handle.job().enqueued_at
+    assert enqueued is not None
+    return enqueued.timestamp() + result.timings.total_s
