@@ -25,16 +25,21 @@ MAX_JOB_DATA_BYTES = 16 * MiB
 
 def data_size_problem(raw: bytes, limit: int = MAX_JOB_DATA_BYTES) -> str | None:
     """Why the stored job data `raw` (zlib or plain, as rq reads it) is too large, or None."""
+    return inflate(raw, limit)[1]
+
+
+def inflate(raw: bytes, limit: int = MAX_JOB_DATA_BYTES) -> tuple[bytes, str | None]:
+    """The job data rq would load from `raw` and None, or b"" and why it is over `limit` bytes."""
     if len(raw) > limit:
-        return _too_large(f"{len(raw):,} bytes stored", limit)
+        return b"", _too_large(f"{len(raw):,} bytes stored", limit)
     inflater = zlib.decompressobj()
     try:
         data = inflater.decompress(raw, limit + 1)
     except zlib.error:
-        return None  # rq falls back to uncompressed data, already checked above
+        return raw, None  # rq falls back to uncompressed data, already checked above
     if len(data) > limit or inflater.unconsumed_tail:
-        return _too_large(f"over {limit:,} bytes", limit)
-    return None
+        return b"", _too_large(f"over {limit:,} bytes", limit)
+    return data, None
 
 
 def _too_large(size: str, limit: int) -> str:
@@ -52,11 +57,11 @@ class BoundedJob(Job):
     def restore(self, raw_data: Any) -> Any:
         key = b"data" if b"data" in raw_data else "data"
         stored = raw_data.get(key)
-        problem = data_size_problem(stored if isinstance(stored, bytes) else str(stored or "").encode())
-        if problem is not None:
-            raw_data = {**raw_data, key: b""}
-        result = super().restore(raw_data)
+        data, problem = inflate(stored if isinstance(stored, bytes) else str(stored or "").encode())
+        result = super().restore({**raw_data, key: b""})  # rq's own unbounded inflate sees nothing
         self.data_problem = problem
+        if problem is None:
+            self.data = data
         return result
 
     def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict[Any, Any]:
