@@ -1,11 +1,11 @@
-"""BlockPoolBatchEngine: continuous batching on mlx-lm's BatchGenerator, with every
-sequence's KV accounted for in a pool of 256-token blocks and handed out as blocks
-when it ends.
+"""BlockPoolBatchEngine: continuous batching with every sequence's KV accounted for in a
+pool of 256-token blocks and handed out as blocks when it ends.
 
-Composition, not subclassing: BatchGenerator does the batching (sequences inserted
-between steps join at the next one); this class adds validation, block budgets,
-prefix reuse from an agent's saved cache, stop strings, incremental text, and the
-cut of each finished sequence's KV into blocks for the store.
+A backend does the batching (engine/backends.py): the ragged batch (engine/ragged.py:
+per-row KV, chunked prefill between decode steps, warm agents join without padding
+anyone) for the architectures it is verified on, mlx-lm's BatchGenerator for the rest.
+This class adds validation, block budgets, prefix reuse from an agent's saved cache,
+stop strings, incremental text, and the cut of each finished sequence's KV into blocks.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator, StopSequences
-
 from engine.admission import Admission
+from engine.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend
 from engine.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.errors import InvalidRequestError
 from engine.host_slab import BlockSlab
-from engine.kv_convert import blocks_to_caches, caches_to_blocks, keep_buffers_resident
+from engine.kv_arena import KVArena
+from engine.kv_convert import caches_to_blocks, keep_buffers_resident
 from engine.params import SamplingParams
+from engine.ragged import route_attention
 from engine.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
 from engine.sampling import make_sampler
 from engine.spec import ModelCacheSpec, spec_from_model
@@ -59,7 +60,12 @@ class BlockPoolBatchEngine:
         max_batch: int = 16,
         prefill_step_size: int = 512,
         max_context: int | None = None,
+        prefill_tokens_per_step: int = 256,
+        ragged: bool | None = None,
     ) -> None:
+        """`prefill_tokens_per_step` bounds the prompt tokens run between two decode steps
+        (the ragged batch); `ragged=None` uses the ragged batch wherever it is supported,
+        False forces mlx-lm's BatchGenerator (`prefill_step_size` is its chunk)."""
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.model = model
@@ -77,12 +83,18 @@ class BlockPoolBatchEngine:
         self.max_context = max_context or getattr(args, "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.vocab_size = int(getattr(args, "vocab_size", 0) or 0)
         self.eos_token_ids = frozenset(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ())
-        self._generator = BatchGenerator(
-            model,
-            completion_batch_size=max_batch,
-            prefill_batch_size=min(8, max_batch),
-            prefill_step_size=prefill_step_size,
-        )
+        use_ragged = self.spec.all_full_attention and route_attention(model) if ragged is not False else False
+        if ragged and not use_ragged:
+            raise ValueError(f"{type(model).__module__} cannot run in the ragged batch")
+        self._backend: Backend
+        if use_ragged:
+            arena = KVArena(self.spec, max_idle_bytes=pool_bytes)
+            self._backend = RaggedBackend(
+                model, self.spec, arena, prefill_tokens_per_step=prefill_tokens_per_step
+            )
+        else:
+            self._backend = MlxBatchBackend(model, max_batch=max_batch, prefill_step_size=prefill_step_size)
+        self.ragged = use_ragged
         self._sequences: dict[int, _Sequence] = {}
 
     # ---- admission -------------------------------------------------------------------
@@ -151,19 +163,16 @@ class BlockPoolBatchEngine:
         self.pool.allocate(owner, self.blocks_needed(len(prompt), params.max_tokens))
         try:
             reused = 0
-            layer_caches = None
             if cache is not None:
                 reused = min(common_prefix_length(cache.token_ids, prompt), len(prompt) - 1)
-                if reused > 0:
-                    layer_caches = [blocks_to_caches(cache, reused)]
             stop_ids = self.eos_token_ids | frozenset(int(t) for t in params.stop_tokens)
-            (uid,) = self._generator.insert(
-                [prompt[reused:]],
-                max_tokens=[params.max_tokens],
-                caches=layer_caches,
-                all_tokens=[prompt[:reused]],
-                samplers=[make_sampler(params)],  # type: ignore[list-item]
-                stop_sequences=[StopSequences([[t] for t in sorted(stop_ids)])],
+            uid = self._backend.insert(
+                prompt,
+                cache,
+                reused,
+                max_tokens=params.max_tokens,
+                sampler=make_sampler(params),
+                stop_token_ids=stop_ids,
             )
         except BaseException:
             self.pool.free(owner)
@@ -206,35 +215,31 @@ class BlockPoolBatchEngine:
     # ---- stepping --------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """One BatchGenerator step: new tokens for running sequences, completions for finished ones."""
+        """One batch step: new tokens for running sequences, completions for finished ones."""
         output = StepOutput()
         if not self._sequences:
             return output
-        _, responses = self._generator.next()
+        generated = self._backend.step()
         now = time.perf_counter()
-        for response in responses:
-            seq = self._sequences.get(response.uid)
+        for item in generated:
+            seq = self._sequences.get(item.uid)
             if seq is None:
                 continue
             if seq.first_token_at is None:
                 seq.first_token_at = now
-            token = int(response.token)
-            ends_on_stop_token = response.finish_reason == "stop" and token in seq.stop_token_ids
+            token = item.token
+            ends_on_stop_token = item.finish_reason == "stop" and token in seq.stop_token_ids
             delta = ""
             if not ends_on_stop_token:
                 seq.generated.append(token)
                 delta = seq.text.add(token)
-            if response.finish_reason is not None:
+            if item.finish_reason is not None:
                 delta += seq.text.finish()
-                reason: FinishReason = "stop" if response.finish_reason == "stop" else "length"
-                output.completions.append(
-                    self._finish(seq, reason, response.prompt_cache, response.all_tokens)
-                )
+                reason: FinishReason = "stop" if item.finish_reason == "stop" else "length"
+                output.completions.append(self._finish(seq, reason))
             elif seq.text.stopped:
                 delta += seq.text.finish()
-                extracted = self._generator.remove([seq.uid], return_prompt_caches=True)
-                layers, tokens = extracted[seq.uid]
-                output.completions.append(self._finish(seq, "stop", layers, list(tokens)))
+                output.completions.append(self._finish(seq, "stop"))
             output.deltas.append(TokenDelta(seq.uid, token, delta))
         return output
 
@@ -243,21 +248,16 @@ class BlockPoolBatchEngine:
         seq = self._sequences.get(uid)
         if seq is None:
             return None
-        self._generator.remove([uid])
-        return self._finish(seq, "canceled", None, None)
+        return self._finish(seq, "canceled")
 
-    def _finish(
-        self,
-        seq: _Sequence,
-        reason: FinishReason,
-        layers: list[Any] | None,
-        all_tokens: list[int] | None,
-    ) -> Completion:
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> Completion:
         del self._sequences[seq.uid]
         self.pool.free(seq.uid)
+        want_kv = seq.keep_cache and reason != "canceled" and self.spec.all_full_attention
+        kv = self._backend.finish(seq.uid, want_kv)
         cache = None
-        if seq.keep_cache and layers is not None and all_tokens is not None and self.spec.all_full_attention:
-            cache = caches_to_blocks(layers, list(all_tokens), self.spec, self._slab)
+        if kv is not None:
+            cache = self._cut_into_blocks(kv)
         now = time.perf_counter()
         return Completion(
             uid=seq.uid,
@@ -278,12 +278,18 @@ class BlockPoolBatchEngine:
             total_time_s=now - seq.submitted_at,
         )
 
+    def _cut_into_blocks(self, kv: FinishedKV) -> AgentCache:
+        try:
+            return caches_to_blocks(kv.layers, kv.tokens, self.spec, self._slab)
+        finally:
+            self._backend.release(kv)
+
     def prompt_tokens_processed(self) -> int:
-        """Prompt tokens the model has run so far (BatchGenerator's own counter, for tests and stats).
+        """Prompt tokens the model has run so far (for tests and stats).
 
         The last prompt token of each sequence is fed by the first decode step and is not counted here.
         """
-        return int(self._generator._counters.prompt_tokens)
+        return self._backend.prompt_tokens_processed()
 
     def close(self) -> None:
-        self._generator.close()
+        self._backend.close()

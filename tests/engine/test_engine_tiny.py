@@ -109,21 +109,22 @@ def test_generation_returns_blocks_and_frees_the_pool(engine: BlockPoolBatchEngi
     assert completion.cache is not None
     cache = completion.cache
     assert cache.token_ids[: len(PROMPT)] == PROMPT
-    assert cache.token_ids[len(PROMPT) :][: len(completion.token_ids)] == completion.token_ids
+    covered = cache.token_ids[len(PROMPT) :]
+    assert covered == completion.token_ids[: len(covered)]
     cache.validate(engine.spec)
     assert engine.pool.used_blocks == 0
 
 
 def test_cache_offset_matches_its_token_list(engine: BlockPoolBatchEngine) -> None:
-    """mlx-lm runs one step ahead: the finished cache must cover exactly its listed tokens."""
+    """The finished cache covers the prompt and every sampled token but the last (never fed to the
+    model): exactly the tokens it lists, so the next turn resumes one token earlier than the text ends."""
     uid = engine.submit("a", PROMPT, SamplingParams(max_tokens=7, stop_tokens=()))
     completion = run_all(engine)[uid]
     assert completion.cache is not None
     n_kv = sum(block.n_tokens for block in completion.cache.blocks)
-    expected = (
-        len(PROMPT) + completion.usage.generated_tokens + (1 if completion.finish_reason == "stop" else 0)
-    )
-    assert n_kv == completion.cache.n_tokens == expected
+    sampled = completion.usage.generated_tokens + (1 if completion.finish_reason == "stop" else 0)
+    assert n_kv == completion.cache.n_tokens == len(PROMPT) + sampled - 1
+    assert completion.cache.token_ids == PROMPT + completion.token_ids[: sampled - 1]
 
 
 def test_cancel_frees_blocks_and_reports_canceled(engine: BlockPoolBatchEngine) -> None:

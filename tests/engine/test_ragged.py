@@ -1,0 +1,179 @@
+"""The ragged batch on tiny random models: warm joins, chunked prefill, no padding, counted in steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine.blocks import AgentCache
+from engine.engine import BlockPoolBatchEngine
+from engine.params import SamplingParams
+from engine.results import Completion, StepOutput
+from tests.engine.tiny import ByteTokenizer, tiny_model
+
+GREEDY_LONG = SamplingParams(max_tokens=400, stop_tokens=())
+
+
+@pytest.fixture(scope="module")
+def model() -> object:
+    return tiny_model("llama")
+
+
+def make_engine(model: object, **kwargs: object) -> BlockPoolBatchEngine:
+    options: dict[str, object] = {"pool_blocks": 64, "max_batch": 8, "max_context": 4096, **kwargs}
+    return BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny-llama", **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def engine(model: object) -> Iterator[BlockPoolBatchEngine]:
+    eng = make_engine(model, prefill_tokens_per_step=64)
+    yield eng
+    eng.close()
+
+
+def prompt(n_tokens: int, salt: int = 0) -> list[int]:
+    return [1 + (i * 7 + salt * 13) % 250 for i in range(n_tokens)]
+
+
+def run_all(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
+    done: dict[int, Completion] = {}
+    for _ in range(10_000):
+        if not engine.has_work():
+            return done
+        for completion in engine.step().completions:
+            done[completion.uid] = completion
+    raise AssertionError("engine did not finish")
+
+
+def tokens_of(output: StepOutput) -> set[int]:
+    return {delta.uid for delta in output.deltas}
+
+
+def saved_cache(engine: BlockPoolBatchEngine, n_tokens: int) -> AgentCache:
+    uid = engine.submit("agent", prompt(n_tokens, salt=5), SamplingParams(max_tokens=2, stop_tokens=()))
+    cache = run_all(engine)[uid].cache
+    assert cache is not None and cache.n_tokens == n_tokens + 1
+    return cache
+
+
+def test_the_tiny_llama_runs_ragged(engine: BlockPoolBatchEngine) -> None:
+    assert engine.ragged
+
+
+def test_warm_agent_gets_its_first_token_at_the_first_step_while_others_keep_decoding(
+    engine: BlockPoolBatchEngine,
+) -> None:
+    cache = saved_cache(engine, 600)
+    running = [engine.submit(f"r{i}", prompt(10, i), GREEDY_LONG) for i in range(3)]
+    while tokens_of(engine.step()) != set(running):
+        pass
+    warm = engine.submit("agent", cache.token_ids + prompt(17, salt=9), GREEDY_LONG, cache=cache)
+    first = engine.step()
+    assert tokens_of(first) == {*running, warm}, "the warm agent's first token came with the first step"
+    for _ in range(5):
+        assert tokens_of(engine.step()) == {*running, warm}
+
+
+def test_running_rows_get_a_token_every_step_during_a_cold_burst(engine: BlockPoolBatchEngine) -> None:
+    running = [engine.submit(f"r{i}", prompt(12, i), GREEDY_LONG) for i in range(2)]
+    while tokens_of(engine.step()) != set(running):
+        pass
+    burst = [engine.submit(f"b{i}", prompt(n, 20 + i), GREEDY_LONG) for i, n in enumerate((500, 300, 120))]
+    first_token_step: dict[int, int] = {}
+    for step in range(1, 40):
+        got = tokens_of(engine.step())
+        assert set(running) <= got, f"a running row missed step {step}"
+        for uid in burst:
+            if uid in got and uid not in first_token_step:
+                first_token_step[uid] = step
+    assert set(first_token_step) == set(burst)
+    shortest, middle, longest = burst[2], burst[1], burst[0]
+    # Shortest remaining prefill first: 120 tokens at 64 a step is 2 steps, its own prefill only.
+    assert first_token_step[shortest] == 2
+    assert first_token_step[shortest] < first_token_step[middle] < first_token_step[longest]
+    # No step ran more than its prompt-token budget.
+    assert first_token_step[longest] >= (500 + 300 + 120 - 3) // 64
+
+
+def test_a_row_decodes_the_same_tokens_with_or_without_long_batch_mates(model: object) -> None:
+    alone_engine = make_engine(model)
+    uid = alone_engine.submit("a", prompt(20), SamplingParams(max_tokens=30, stop_tokens=()))
+    alone = run_all(alone_engine)[uid].token_ids
+    busy = make_engine(model, prefill_tokens_per_step=128)
+    mates = [busy.submit(f"m{i}", prompt(n, i), GREEDY_LONG) for i, n in enumerate((700, 300))]
+    for _ in range(12):
+        busy.step()
+    uid = busy.submit("a", prompt(20), SamplingParams(max_tokens=30, stop_tokens=()))
+    done: dict[int, Completion] = {}
+    while uid not in done:
+        for completion in busy.step().completions:
+            done[completion.uid] = completion
+    assert done[uid].token_ids == alone
+    assert all(busy.cancel(m) is not None for m in mates)
+
+
+def test_chunked_and_batched_prefill_match_one_shot_prefill(model: object) -> None:
+    prompts = [prompt(n, salt=i) for i, n in enumerate((333, 90, 7))]
+    results = []
+    for budget in (4096, 50):
+        eng = make_engine(model, prefill_tokens_per_step=budget)
+        uids = [eng.submit("a", p, SamplingParams(max_tokens=12, stop_tokens=())) for p in prompts]
+        done = run_all(eng)
+        results.append([done[u].token_ids for u in uids])
+    single = []
+    for p in prompts:
+        eng = make_engine(model)
+        uid = eng.submit("a", p, SamplingParams(max_tokens=12, stop_tokens=()))
+        single.append(run_all(eng)[uid].token_ids)
+    assert results[0] == single, "three rows prefilled in one batched forward"
+    assert results[1] == single, "prefill cut into 50-token chunks"
+
+
+def test_resumed_agent_matches_a_fresh_run(engine: BlockPoolBatchEngine) -> None:
+    cache = saved_cache(engine, 300)
+    full = cache.token_ids + prompt(25, salt=3)
+    fresh_uid = engine.submit("f", full, SamplingParams(max_tokens=15, stop_tokens=()))
+    fresh = run_all(engine)[fresh_uid]
+    before = engine.prompt_tokens_processed()
+    resumed_uid = engine.submit("agent", full, SamplingParams(max_tokens=15, stop_tokens=()), cache=cache)
+    resumed = run_all(engine)[resumed_uid]
+    assert resumed.token_ids == fresh.token_ids
+    assert resumed.usage.reused_tokens == cache.n_tokens
+    assert engine.prompt_tokens_processed() - before == 25 - 1
+
+
+def test_finished_rows_give_their_buffers_back_for_the_next_one(engine: BlockPoolBatchEngine) -> None:
+    uid = engine.submit("a", prompt(100), SamplingParams(max_tokens=5, stop_tokens=()))
+    run_all(engine)
+    backend = engine._backend
+    arena = backend.arena  # type: ignore[attr-defined]
+    idle = arena.idle_bytes
+    assert idle > 0, "the ended row's KV buffers are kept"
+    engine.submit("b", prompt(90), SamplingParams(max_tokens=5, stop_tokens=()))
+    assert arena.idle_bytes < idle, "and handed to the next row"
+    run_all(engine)
+    assert uid not in backend.generator.rows  # type: ignore[attr-defined]
+
+
+def test_unsupported_architectures_use_mlx_lms_batch_generator() -> None:
+    gemma = tiny_model("gemma3_text")
+    eng = BlockPoolBatchEngine(gemma, ByteTokenizer(), model_name="tiny-gemma3", pool_blocks=8)
+    assert not eng.ragged
+    uid = eng.submit("a", prompt(20), SamplingParams(max_tokens=4, stop_tokens=()))
+    assert len(run_all(eng)[uid].token_ids) == 4
+    with pytest.raises(ValueError, match="cannot run in the ragged batch"):
+        BlockPoolBatchEngine(gemma, ByteTokenizer(), model_name="tiny-gemma3", pool_blocks=8, ragged=True)
+
+
+def test_forcing_the_batch_generator_gives_the_same_greedy_tokens(model: object) -> None:
+    outputs = []
+    for ragged in (True, False):
+        eng = make_engine(model, ragged=ragged)
+        uids = [
+            eng.submit("a", prompt(n, i), SamplingParams(max_tokens=10, stop_tokens=()))
+            for i, n in enumerate((40, 9))
+        ]
+        done = run_all(eng)
+        outputs.append([done[u].token_ids for u in uids])
+    assert outputs[0] == outputs[1]
