@@ -1,0 +1,120 @@
+"""`kvrq worker --model PATH`: a real worker process on a local mlx-lm model folder.
+
+The folder is written here the way `mlx_lm.convert` writes one: config.json, model.safetensors
+(a tiny random llama) and the tokenizer files (the builtin SmolLM2 tokenizer, saved with
+`save_pretrained`). The worker's answers must equal mlx-lm's own greedy decode of the same
+folder, and an agent's second turn must resume from the first turn's cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine.model import load_model
+from producer.client import Producer
+from producer.models import GenerationRequest
+from tests.engine.tiny import model_config, save_model_folder, tiny_model
+from tests.worker.procs import RedisProcess, WorkerProcess
+from worker.prompts import prompt_tokens
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+VOCAB = 49152  # the builtin tokenizer's
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.gguf_smollm2 import gguf_path
+    from engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
+    loaded: Any = mx.load(str(gguf_path()), return_metadata=True)
+    tokenizer_from_gguf_metadata(loaded[1])._tokenizer.save_pretrained(str(folder))
+    save_model_folder(tiny_model("llama", vocab_size=VOCAB), model_config("llama", vocab_size=VOCAB), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path_factory.mktemp("redis-local-model"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def producer(
+    redis_proc: RedisProcess, model_folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Producer]:
+    worker = WorkerProcess(
+        redis_proc.url,
+        tmp_path_factory.mktemp("worker-local-model"),
+        name="kvrq-local-model",
+        args=["--model", str(model_folder), "--max-batch", "4"],
+    )
+    worker.start()
+    try:
+        with Producer(redis_proc.url) as p:
+            yield p
+    finally:
+        code = worker.terminate()
+        assert code == 0, worker.log()
+
+
+def greedy_reference(folder: Path, request: dict[str, Any]) -> list[int]:
+    model, tokenizer = load_model(str(folder))
+    prompt = prompt_tokens(tokenizer, GenerationRequest.model_validate(request))
+    out = []
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=request["max_tokens"], sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    for token, _ in steps:
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        out.append(int(token))
+    return out
+
+
+def test_worker_on_a_local_folder_answers_like_mlx_lm_and_resumes(
+    producer: Producer, model_folder: Path
+) -> None:
+    first: dict[str, Any] = {
+        "agent_id": "local-agent",
+        "messages": [{"role": "user", "content": "Tell me about the sea."}],
+        "max_tokens": 16,
+    }
+    result = producer.submit(first).result(timeout=300)
+    assert result.token_ids == greedy_reference(model_folder, first)
+    assert result.usage.reused_tokens == 0
+
+    second = {
+        **first,
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": result.text},
+            {"role": "user", "content": "And the mountains?"},
+        ],
+    }
+    again = producer.submit(second).result(timeout=300)
+    assert again.usage.reused_tokens > 0, "the second turn should resume from the first turn's cache"
+    assert again.token_ids == greedy_reference(model_folder, second)
+
+
+def test_a_path_that_is_not_a_model_folder_stops_the_worker_with_what_is_missing(
+    redis_proc: RedisProcess, tmp_path: Path
+) -> None:
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    worker = WorkerProcess(redis_proc.url, tmp_path, name="kvrq-bad-model", args=["--model", str(empty)])
+    try:
+        with pytest.raises(AssertionError, match="worker exited with 1"):
+            worker.start(timeout=120)
+    finally:
+        worker.stop()
+    assert "has no config.json, no *.safetensors weights, no tokenizer files" in worker.log()
