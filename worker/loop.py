@@ -37,7 +37,6 @@ from rq.queue import Queue
 
 from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
 from producer.protocol import (
-    AGENT_HOME_TTL_S,
     CACHE_HITS_FIELD,
     CACHE_LOOKUPS_FIELD,
     CAPACITY_FIELD,
@@ -53,14 +52,11 @@ from producer.protocol import (
     REUSED_TOKENS_FIELD,
     RUNNING_FIELD,
     WAITING_FIELD,
-    WORKER_QUEUE_SEPARATOR,
     ErrorCode,
-    agent_home_key,
     cancel_key,
-    shared_queue_of,
-    worker_alive_key,
 )
 from worker import rqexec
+from worker.affinity import Affinity
 from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
 from worker.held import HeldJob
@@ -108,6 +104,9 @@ class WorkerLoop:
         )
         self.turns = AgentTurns(self.connection, rq_worker.name, settings.heartbeat_ttl)
         self.beacon = LivenessBeacon(self.connection, rq_worker.name, settings.liveness_ttl)
+        self.affinity = Affinity(
+            self.connection, rq_worker, enabled=settings.affinity, wait_s=settings.affinity_wait
+        )
         self.ending: deque[tuple[HeldJob, Outcome]] = deque()
         self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
         self.draining = False
@@ -117,7 +116,6 @@ class WorkerLoop:
         self.next_heartbeat = 0.0
         self.next_crash_check = 0.0
         self.next_maintenance = 0.0
-        self.next_steal = 0.0
         self.counts = dict.fromkeys(
             (
                 *COUNTERS,
@@ -247,31 +245,12 @@ class WorkerLoop:
             self._admit()
 
     def _steal(self) -> tuple[Job, Queue] | None:
-        """With nothing in its own queues, take an affine job another worker leaves waiting.
-
-        From a dead worker's own queue at once; from a live one's once its oldest job has
-        waited `affinity_wait` (the worker is busy or draining). Looked at twice a second at most.
-        """
-        now = time.monotonic()
-        if not self.settings.affinity or now < self.next_steal:
-            return None
-        self.next_steal = now + 0.5
-        mine = {q.name for q in self.worker.queues}
-        shared = [q.name for q in self.worker.queues if shared_queue_of(q.name) == q.name]
-        others = [
-            q for name in shared for q in rqexec.worker_queues_of(self.connection, name) if q not in mine
-        ]
-        for name in others:
-            queue = Queue(name, connection=self.connection, serializer=self.worker.serializer)
-            if rqexec.waited_longer(queue, self.settings.affinity_wait) or not self._owner_alive(name):
-                dequeued = self._dequeue_from([queue])
-                if dequeued is not None:
-                    return dequeued
+        """With nothing in its own queues, take an affine job another worker leaves waiting."""
+        for queue in self.affinity.waiting_elsewhere():
+            dequeued = self._dequeue_from([queue])
+            if dequeued is not None:
+                return dequeued
         return None
-
-    def _owner_alive(self, worker_queue: str) -> bool:
-        owner = worker_queue.split(WORKER_QUEUE_SEPARATOR, 1)[1]
-        return bool(self.connection.exists(worker_alive_key(owner)))
 
     def _dequeue(self, block: bool) -> tuple[Job, Queue] | None:
         return self._dequeue_from(self.worker.queues, self.idle_wait_s if block else None)
@@ -519,8 +498,8 @@ class WorkerLoop:
             return
         try:
             self.saving.append((held, self.store.put(held.agent_id, cache, fence=held.fence)))
-            if self.settings.affinity and self.settings.store_hot_mb > 0:
-                self.connection.set(agent_home_key(held.agent_id), self.worker.name, ex=AGENT_HOME_TTL_S)
+            if self.settings.store_hot_mb > 0:
+                self.affinity.record_home(held.agent_id)
         except Exception:
             # The answer is good; only the next turn's warm start is lost.
             log.exception("job %s: saving agent %s's cache failed", held.id, held.agent_id)
