@@ -28,6 +28,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from producer.protocol import DEFAULT_REDIS_URL
+from worker import rqexec
 from worker.cli.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from worker.cli.dashboard import LOOPBACK
 
@@ -343,7 +344,7 @@ def _pings(connection: Redis) -> bool:
 def _registered(connection: Redis, pid: int) -> bool:
     """Whether the worker with this process id has registered as an rq worker."""
     try:
-        keys = connection.smembers("rq:workers")
+        keys = connection.smembers(rqexec.workers_key())
         return any(connection.hget(key, "pid") == str(pid).encode() for key in keys)
     except RedisError:
         return False
