@@ -42,6 +42,9 @@ class LayerSpec:
     k_head_dim: int | None = None
     v_head_dim: int | None = None
     state_shapes: tuple[tuple[int, ...], ...] | None = None  # "state": each array's shape, no batch dim
+    state_dtypes: tuple[str, ...] | None = (
+        None  # "state": each array's dtype where any differs from the model's
+    )
     parts: tuple[LayerSpec, ...] | None = None  # "list": the CacheList's members
 
     def to_dict(self) -> dict[str, Any]:
@@ -52,6 +55,8 @@ class LayerSpec:
                 out[name] = getattr(self, name)
         if self.state_shapes is not None:
             out["state_shapes"] = [list(shape) for shape in self.state_shapes]
+        if self.state_dtypes is not None:
+            out["state_dtypes"] = list(self.state_dtypes)
         if self.parts is not None:
             out["parts"] = [part.to_dict() for part in self.parts]
         return out
@@ -61,6 +66,8 @@ class LayerSpec:
         fields = dict(data)
         if fields.get("state_shapes") is not None:
             fields["state_shapes"] = tuple(tuple(int(d) for d in shape) for shape in fields["state_shapes"])
+        if fields.get("state_dtypes") is not None:
+            fields["state_dtypes"] = tuple(str(d) for d in fields["state_dtypes"])
         if fields.get("parts") is not None:
             fields["parts"] = tuple(cls.from_dict(part) for part in fields["parts"])
         return cls(**fields)
@@ -89,14 +96,15 @@ class StateLayer:
     index: int  # position among the state leaves: the index of its arrays in a KVBlock's checkpoint
     path: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]  # one per array: SSM states often run in float32 in a bfloat16 model
 
-    def nbytes(self, dtype_bytes: int) -> int:
+    def nbytes(self) -> int:
         total = 0
-        for shape in self.shapes:
-            size = 1
+        for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+            size = _DTYPE_BYTES[dtype]
             for dim in shape:
                 size *= dim
-            total += size * dtype_bytes
+            total += size
         return total
 
 
@@ -147,7 +155,7 @@ class ModelCacheSpec:
 
     def state_bytes(self) -> int:
         """Bytes of one checkpoint of every SSM / linear-attention state (one per full block)."""
-        return sum(layer.nbytes(self.dtype_bytes) for layer in self.state_layers())
+        return sum(layer.nbytes() for layer in self.state_layers())
 
     def bytes_per_block(self) -> int:
         return self.bytes_per_token() * self.block_tokens + self.state_bytes()
@@ -188,7 +196,9 @@ def _leaves(spec: ModelCacheSpec) -> tuple[tuple[KVLayer, ...], tuple[StateLayer
             for member, part in enumerate(layer.parts or ()):
                 visit(part, (*path, member))
         elif layer.kind == "state":
-            states.append(StateLayer(len(states), path, layer.state_shapes or ()))
+            shapes = layer.state_shapes or ()
+            dtypes = layer.state_dtypes or (spec.dtype,) * len(shapes)
+            states.append(StateLayer(len(states), path, shapes, dtypes))
         else:
             kv.append(
                 KVLayer(
@@ -223,15 +233,17 @@ def spec_from_model(model: Any, model_name: str) -> ModelCacheSpec:
     model(mx.array([[0]]), cache=probe)
     mx.eval([layer_cache.state for layer_cache in probe])
     raw = [_raw_layer(str(index), layer_cache, cache_mod) for index, layer_cache in enumerate(probe)]
-    dtypes = {dtype for _layer, layer_dtypes in raw for dtype in layer_dtypes}
-    if len(dtypes) > 1:
+    layers = [layer for layer, _ in raw]
+    kv_dtypes = {dtype for _, dtypes in raw for dtype in dtypes}
+    if len(kv_dtypes) > 1:
         raise UnsupportedModelError(
-            f"cache arrays mix dtypes {sorted(dtypes)}: one dtype per model is supported"
+            f"KV layers mix dtypes {sorted(kv_dtypes)}: one KV dtype per model is supported"
         )
-    dtype = dtypes.pop() if dtypes else "float32"
-    if dtype not in _DTYPE_BYTES:
-        raise UnsupportedModelError(f"cache dtype {dtype} is not supported (float32, float16, bfloat16)")
-    layers = [layer for layer, _dtypes in raw]
+    state_dtypes = [d for layer in _state_leaves(layers) for d in layer.state_dtypes or ()]
+    dtype = kv_dtypes.pop() if kv_dtypes else state_dtypes[0]
+    for name in {dtype, *state_dtypes}:
+        if name not in _DTYPE_BYTES:
+            raise UnsupportedModelError(f"cache dtype {name} is not supported (float32, float16, bfloat16)")
     first_kv = next((leaf for leaf in _kv_leaves(layers)), None)
     heads, k_dim, v_dim = (
         (first_kv.n_kv_heads or 0, first_kv.k_head_dim or 0, first_kv.v_head_dim or 0)
@@ -241,7 +253,7 @@ def spec_from_model(model: Any, model_name: str) -> ModelCacheSpec:
     return ModelCacheSpec(
         model_name=model_name,
         n_layers=len(probe),
-        layers=tuple(_relative(layer, heads, k_dim, v_dim) for layer in layers),
+        layers=tuple(_relative(layer, heads, k_dim, v_dim, dtype) for layer in layers),
         n_kv_heads=heads,
         k_head_dim=k_dim,
         v_head_dim=v_dim,
@@ -279,27 +291,31 @@ def _check_kind(index: int, layer_cache: Any, cache_mod: Any, where: str = "") -
     )
 
 
-def _raw_layer(name: str, layer_cache: Any, cache_mod: Any) -> tuple[LayerSpec, set[str]]:
-    """The layer's spec with absolute shapes, and the dtypes of its arrays."""
+def _raw_layer(name: str, layer_cache: Any, cache_mod: Any) -> tuple[LayerSpec, list[str]]:
+    """The layer's spec with absolute shapes and state dtypes, and the dtypes of its KV arrays."""
     kind = type(layer_cache)
     if kind is cache_mod.CacheList:
         parts = [_raw_layer(f"{name}.{i}", part, cache_mod) for i, part in enumerate(layer_cache.caches)]
-        return LayerSpec("list", parts=tuple(p for p, _ in parts)), {d for _, ds in parts for d in ds}
+        return LayerSpec("list", parts=tuple(p for p, _ in parts)), [d for _, ds in parts for d in ds]
     if kind is cache_mod.ArraysCache:
         arrays = list(layer_cache.cache)
         if any(a is None for a in arrays):
             raise UnsupportedModelError(f"layer {name}: ArraysCache left an array unset after one token")
         shapes = tuple(tuple(int(d) for d in a.shape[1:]) for a in arrays)
-        return LayerSpec("state", state_shapes=shapes), {_dtype_name(a) for a in arrays}
+        return LayerSpec("state", state_shapes=shapes, state_dtypes=tuple(_dtype_name(a) for a in arrays)), []
     keys, values = layer_cache.keys, layer_cache.values
     heads, k_dim, v_dim = int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3])
     if int(values.shape[1]) != heads:
         raise UnsupportedModelError(f"layer {name}: keys have {heads} heads but values {values.shape[1]}")
-    dtypes = {_dtype_name(keys), _dtype_name(values)}
-    if kind is cache_mod.RotatingKVCache:
-        window = int(layer_cache.max_size)
-        return LayerSpec("sliding", window, n_kv_heads=heads, k_head_dim=k_dim, v_head_dim=v_dim), dtypes
-    return LayerSpec("full", n_kv_heads=heads, k_head_dim=k_dim, v_head_dim=v_dim), dtypes
+    if _dtype_name(keys) != _dtype_name(values):
+        raise UnsupportedModelError(
+            f"layer {name}: keys are {_dtype_name(keys)}, values {_dtype_name(values)}"
+        )
+    window = int(layer_cache.max_size) if kind is cache_mod.RotatingKVCache else None
+    layer = LayerSpec(
+        "sliding" if window else "full", window, n_kv_heads=heads, k_head_dim=k_dim, v_head_dim=v_dim
+    )
+    return layer, [_dtype_name(keys)]
 
 
 def _dtype_name(array: Any) -> str:
@@ -316,12 +332,26 @@ def _kv_leaves(layers: list[LayerSpec]) -> list[LayerSpec]:
     return out
 
 
-def _relative(layer: LayerSpec, heads: int, k_dim: int, v_dim: int) -> LayerSpec:
-    """The layer with shapes equal to the model-wide ones left unset (None)."""
+def _state_leaves(layers: list[LayerSpec]) -> list[LayerSpec]:
+    out: list[LayerSpec] = []
+    for layer in layers:
+        if layer.kind == "list":
+            out.extend(_state_leaves(list(layer.parts or ())))
+        elif layer.kind == "state":
+            out.append(layer)
+    return out
+
+
+def _relative(layer: LayerSpec, heads: int, k_dim: int, v_dim: int, dtype: str) -> LayerSpec:
+    """The layer with shapes and dtypes equal to the model-wide ones left unset (None)."""
     if layer.kind == "list":
-        return LayerSpec("list", parts=tuple(_relative(p, heads, k_dim, v_dim) for p in layer.parts or ()))
+        parts = tuple(_relative(p, heads, k_dim, v_dim, dtype) for p in layer.parts or ())
+        return LayerSpec("list", parts=parts)
     if layer.kind == "state":
-        return layer
+        same = all(d == dtype for d in layer.state_dtypes or ())
+        return LayerSpec(
+            "state", state_shapes=layer.state_shapes, state_dtypes=None if same else layer.state_dtypes
+        )
     return LayerSpec(
         layer.kind,
         window=layer.window,
