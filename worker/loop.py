@@ -671,6 +671,7 @@ class WorkerLoop:
 
     def _check_crashes(self) -> None:
         names = [q.name for q in self.worker.queues]
+        self.beacon.beat()  # alive by definition: a key expired in an outage must not re-run our jobs
         report = rerun_crashed(self.connection, names, crash_reruns=self.settings.crash_reruns)
         self.counts["crash_reruns"] += sum(len(ids) for ids in report.rerun.values())
         self.next_crash_check = time.monotonic() + self.settings.crash_check_interval
