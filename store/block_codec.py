@@ -9,7 +9,6 @@ tensor's dtype and shape before returning zero-copy views.
 
 from __future__ import annotations
 
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import numpy as np
 from engine.blocks import KVBlock
 from engine.spec import ModelCacheSpec
 from store import quant
+from store.checksum import crc32
 from store.errors import BAD_BLOCK, CHECKSUM, TRUNCATED, BadCacheError
 from store.iopool import crc32_async
 from store.manifest import BLOCK_FORMAT_VERSION, FORMAT_NAME, BlockRef, Manifest, spec_fingerprint
@@ -97,7 +97,7 @@ def decode_block(
     """
     if len(blob) != ref.nbytes:
         raise BadCacheError(TRUNCATED, f"block {ref.name} has {len(blob)} bytes, manifest says {ref.nbytes}")
-    if (zlib.crc32(blob) if crc is None else crc) != ref.crc32:
+    if (crc32(blob) if crc is None else crc) != ref.crc32:
         raise BadCacheError(CHECKSUM, f"block {ref.name} fails its CRC-32")
     spec = manifest.spec
     try:

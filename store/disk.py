@@ -25,7 +25,6 @@ import os
 import shutil
 import threading
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -35,6 +34,7 @@ from engine.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
 from store.backend import Blob, BlockBackend, NewBlock, Usage, check_fence
 from store.base import CacheInfo
+from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import map_parallel, submit
 from store.manifest import (
@@ -147,7 +147,7 @@ class DiskStore(BlockBackend):
                 blob = _read_file(blocks / f"{ref.name}{_SUFFIX}")
             except FileNotFoundError:
                 return None
-            return blob, zlib.crc32(blob)
+            return blob, crc32(blob)
 
         return map_parallel(fetch, refs)
 

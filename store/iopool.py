@@ -1,6 +1,6 @@
 """A small shared thread pool for the store's helper work: CRC-32s and fsyncs that overlap I/O.
 
-zlib releases the GIL while it checksums a large buffer, and so do file reads, writes
+The CRC-32 (store/checksum.py) releases the GIL on a large buffer, and so do file reads, writes
 and socket sends: a block's CRC can run on a helper thread while the next block is
 read or written, instead of adding a second pass over every byte.
 """
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
+
+from store.checksum import crc32
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -25,7 +26,7 @@ def pool() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            # CRCs use the cores (zlib drops the GIL); fdatasyncs mostly wait on the disk.
+            # CRCs use the cores (they drop the GIL); fdatasyncs mostly wait on the disk.
             workers = max(4, min(8, 2 * (os.cpu_count() or 2)))
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvrq-store-io")
         return _pool
@@ -34,7 +35,7 @@ def pool() -> ThreadPoolExecutor:
 def crc32_parts(parts: Iterable[bytes | bytearray | memoryview]) -> int:
     crc = 0
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return crc
 
 

@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import random
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -39,6 +38,7 @@ from engine.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
 from store.backend import Blob, BlockBackend, Usage, WritePlan, check_fence
 from store.base import CacheInfo
+from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import submit
 from store.manifest import (
@@ -155,7 +155,7 @@ class RedisStore(BlockBackend):
         def on_read(index: int) -> None:
             block = last_part.get(index)
             if block is not None:
-                crcs[block] = submit(zlib.crc32, buffers[block])
+                crcs[block] = submit(crc32, buffers[block])
 
         results = get_into(self._client.connection_pool, requests, on_read=on_read)
         fetched: builtins.list[tuple[Blob, int] | None] = []
@@ -170,7 +170,7 @@ class RedisStore(BlockBackend):
                 fetched.append((buffers[block].data, crc))
             else:  # a value of another size: the block as stored, which decoding reports as truncated
                 blob = _join_parts(buffers[block], ref.nbytes, manifest.part_bytes, parts)
-                fetched.append((blob, zlib.crc32(blob)))
+                fetched.append((blob, crc32(blob)))
         return fetched
 
     def _fetch_with_client(
@@ -194,7 +194,7 @@ class RedisStore(BlockBackend):
                     continue
                 blob = parts[0] if count == 1 else b"".join(p for p in parts if p is not None)
                 assert blob is not None
-                fetched.append((blob, zlib.crc32(blob)))
+                fetched.append((blob, crc32(blob)))
         return fetched
 
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
