@@ -88,6 +88,7 @@ def run_mode(affinity: bool, args: argparse.Namespace) -> dict[str, Any]:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvrq-fleet-")))
         url = stack.enter_context(redis_server(workdir))
         env = {**os.environ, "KVRQ_AFFINITY": "true" if affinity else "false", "KVRQ_MAX_BATCH": "8"}
+        env["KVRQ_HEARTBEAT_INTERVAL"] = "1"  # the worker hash's cache figures are published per heartbeat
         names = [f"fleet-{i}" for i in range(2)]
         for name in names:
             stack.enter_context(worker_process(url, store="redis", name=name, env=env))
@@ -106,6 +107,7 @@ def run_mode(affinity: bool, args: argparse.Namespace) -> dict[str, Any]:
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - started
+        time.sleep(2.5)  # two heartbeats: the last lookups are in the workers' hashes
         connection = Redis.from_url(url)
         lookups = hot_hits = 0
         for name in names:
