@@ -54,3 +54,23 @@ def test_a_mistyped_store_uri_is_not_echoed_with_its_password() -> None:
         open_backend(f"reddis://:{SECRET}@127.0.0.1:6379/0", SPEC)
     assert "unknown store URI 'reddis://***@127.0.0.1:6379/0'" in str(info.value)
     assert SECRET not in str(info.value)
+
+
+def test_a_client_command_that_cannot_reach_redis_says_so_in_one_line_without_the_password() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    done = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", "--redis", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "hunter2" not in done.stderr + done.stdout
+    assert (
+        done.stderr.startswith("kvrq: Redis at redis://***@127.0.0.1:") and "ConnectionError" in done.stderr
+    )

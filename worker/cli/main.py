@@ -13,7 +13,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
+from producer.redact import redact_url
 from worker.settings import WorkerSettings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -236,3 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except RedisError as exc:  # bad credentials, TLS, a Redis that is down: one line, no traceback
+        url = getattr(args, "redis", None) or getattr(args, "redis_url", None) or _redis_url()
+        print(f"kvrq: Redis at {redact_url(url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
