@@ -290,7 +290,13 @@ def main() -> int:
                 disk = {
                     n: warm_vs_cold(producer, tokenizer, n, warm_repeats, settle_s=2.0) for n in (1024, 2048)
                 }
-            report["warm_vs_cold"] = {"hot_tier": hot, "disk": disk}
+            print("worker (hot tier off: caches read from the Redis store) ...", flush=True)
+            with worker_process(url, store="redis", env=disk_env):
+                through_worker(producer, requests[:1])  # warm-up
+                from_redis = {
+                    n: warm_vs_cold(producer, tokenizer, n, warm_repeats, settle_s=2.0) for n in (1024, 2048)
+                }
+            report["warm_vs_cold"] = {"hot_tier": hot, "disk": disk, "redis": from_redis}
     if "throughput" in parts:
         print("sequential mlx_lm.generate ...", flush=True)
         sequential = sequential_generate(model, tokenizer, prompts, max_tokens)
