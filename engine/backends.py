@@ -11,7 +11,7 @@ and, for a finished sequence, its per-layer KV and the tokens that KV covers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -34,6 +34,7 @@ class GeneratedToken:
 class FinishedKV:
     layers: list[Any]  # one mlx-lm KVCache (or compatible) per layer
     tokens: list[int]  # the tokens whose K/V `layers` hold
+    checkpoints: dict[int, Any] = field(default_factory=dict)  # SSM state by block end: checkpoints.py
 
 
 class Backend(Protocol):

@@ -18,6 +18,7 @@ from typing import Any
 from engine.admission import Admission
 from engine.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend
 from engine.blocks import AgentCache, BlockPool, common_prefix_length
+from engine.checkpoints import CheckpointingBatchBackend
 from engine.errors import InvalidRequestError
 from engine.host_slab import BlockSlab
 from engine.kv_arena import KVArena
@@ -92,6 +93,10 @@ class BlockPoolBatchEngine:
             self._backend = RaggedBackend(
                 model, self.spec, arena, prefill_tokens_per_step=prefill_tokens_per_step
             )
+        elif self.spec.has_state_layers:  # SSM state is checkpointed at block ends (engine/checkpoints.py)
+            self._backend = CheckpointingBatchBackend(
+                model, self.spec, max_batch=max_batch, prefill_step_size=prefill_step_size
+            )
         else:
             self._backend = MlxBatchBackend(model, max_batch=max_batch, prefill_step_size=prefill_step_size)
         self.ragged = use_ragged
@@ -165,6 +170,7 @@ class BlockPoolBatchEngine:
             reused = 0
             if cache is not None:
                 reused = min(common_prefix_length(cache.token_ids, prompt), len(prompt) - 1)
+                reused = cache.resume_point(reused)  # sliding windows and SSM checkpoints limit it
             stop_ids = self.eos_token_ids | frozenset(int(t) for t in params.stop_tokens)
             uid = self._backend.insert(
                 prompt,
@@ -205,10 +211,6 @@ class BlockPoolBatchEngine:
         if beyond_context:
             raise InvalidRequestError(beyond_context)
         if cache is not None:
-            if not self.spec.all_full_attention:
-                raise InvalidRequestError(
-                    f"{self.spec.model_name} has sliding-window layers: resuming from blocks is not supported"
-                )
             cache.validate(self.spec)
         return prompt
 
@@ -253,7 +255,7 @@ class BlockPoolBatchEngine:
     def _finish(self, seq: _Sequence, reason: FinishReason) -> Completion:
         del self._sequences[seq.uid]
         self.pool.free(seq.uid)
-        want_kv = seq.keep_cache and reason != "canceled" and self.spec.all_full_attention
+        want_kv = seq.keep_cache and reason != "canceled"
         kv = self._backend.finish(seq.uid, want_kv)
         cache = None
         if kv is not None:
@@ -280,7 +282,7 @@ class BlockPoolBatchEngine:
 
     def _cut_into_blocks(self, kv: FinishedKV) -> AgentCache:
         try:
-            return caches_to_blocks(kv.layers, kv.tokens, self.spec, self._slab)
+            return caches_to_blocks(kv.layers, kv.tokens, self.spec, self._slab, kv.checkpoints)
         finally:
             self._backend.release(kv)
 

@@ -9,11 +9,13 @@ Both directions are one copy at memory speed, through numpy views of MLX buffers
 - extract: a finished cache is copied block by block into slots of a BlockSlab (recycled
   host memory), each block one contiguous (layers, heads, tokens, dim) region per K and V.
 
-Python loops run per block and layer, never per token.
+Python loops run per block and layer, never per token. Specs that are not plain full
+attention (sliding windows, per-layer shapes, SSM state) go to engine/layered_kv.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -26,6 +28,7 @@ from engine.spec import ModelCacheSpec
 
 if TYPE_CHECKING:
     from engine.kv_arena import KVArena
+    from engine.layered_kv import Checkpoint
 
 _MLX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -80,6 +83,10 @@ def blocks_to_caches(
     from mlx_lm.models.cache import KVCache
 
     spec = cache.spec
+    if not spec.all_full_attention:
+        from engine.layered_kv import layered_blocks_to_caches
+
+        return layered_blocks_to_caches(cache, n_tokens)
     n_tokens = min(n_tokens, cache.n_tokens)
     layers: list[Any] = [KVCache() for _ in range(spec.n_layers)]
     if n_tokens <= 0:
@@ -107,13 +114,22 @@ def blocks_to_caches(
 
 
 def caches_to_blocks(
-    layers: list[Any], token_ids: list[int], spec: ModelCacheSpec, slab: BlockSlab | None = None
+    layers: list[Any],
+    token_ids: list[int],
+    spec: ModelCacheSpec,
+    slab: BlockSlab | None = None,
+    checkpoints: Mapping[int, Checkpoint] | None = None,
 ) -> AgentCache:
     """Copy the first len(token_ids) tokens of per-layer caches into blocks of host arrays.
 
     `layers` are mlx-lm KVCaches (or anything with keys/values of shape (1, heads, >=n, dim)).
-    With a slab, the blocks' memory is recycled from earlier extracts.
+    With a slab, the blocks' memory is recycled from earlier extracts. `checkpoints` (SSM
+    state taken at block ends while the sequence ran) only matter to specs with state layers.
     """
+    if not spec.all_full_attention:
+        from engine.layered_kv import layered_caches_to_blocks
+
+        return layered_caches_to_blocks(layers, token_ids, spec, checkpoints)
     n_tokens = len(token_ids)
     sources = [_layer_arrays(layer) for layer in layers]
     mx.eval(sources)

@@ -92,3 +92,41 @@ def test_batched_greedy_equals_mlx_lm_generate(family: tuple[str, Any], engine: 
     done = run_all(engine)
     for uid, prompt in zip(uids, prompts, strict=True):
         assert done[uid].token_ids == reference(model, prompt, 12)
+
+
+def expected_reuse(engine: BlockPoolBatchEngine, cached: int, shared: int) -> int:
+    """What a cache of `cached` tokens may give a prompt sharing `shared` of them, by the model's layers."""
+    spec = engine.spec
+    if spec.has_state_layers:
+        return shared // spec.block_tokens * spec.block_tokens  # the last checkpoint inside the prefix
+    if spec.has_sliding_layers:
+        return shared if shared >= cached - 1 else 0  # only the window of the cache's end is kept
+    return shared
+
+
+def first_turn(engine: BlockPoolBatchEngine) -> Completion:
+    uid = engine.submit("agent", prompt_of(300), SamplingParams(max_tokens=12, stop_tokens=(EOS,)))
+    completion = run_all(engine)[uid]
+    assert completion.cache is not None
+    completion.cache.validate(engine.spec)
+    return completion
+
+
+@pytest.mark.parametrize("edit_at", [None, -1, 280, 100])
+def test_resume_equals_fresh_prefill(
+    family: tuple[str, Any], engine: BlockPoolBatchEngine, edit_at: int | None
+) -> None:
+    """A next turn (the cache + new tokens), or an edited history, resumes from what it may and
+    generates exactly what a fresh prefill of the same prompt generates."""
+    _arch, model = family
+    cache = first_turn(engine).cache
+    assert cache is not None
+    prompt = list(cache.token_ids) + prompt_of(40, salt=3)
+    if edit_at is not None:
+        edit_at %= cache.n_tokens  # -1: the cache's last token differs (the window holds one token less)
+        prompt[edit_at] = (prompt[edit_at] + 1) % 256 or 1
+    uid = engine.submit("agent", prompt, SamplingParams(max_tokens=12), cache=cache)
+    resumed = run_all(engine)[uid]
+    shared = min(edit_at if edit_at is not None else cache.n_tokens, len(prompt) - 1)
+    assert resumed.usage.reused_tokens == expected_reuse(engine, cache.n_tokens, shared)
+    assert resumed.token_ids == reference(model, prompt, 12)
