@@ -4,21 +4,21 @@ mlx-lm's BatchGenerator keeps the batch's KV in one left-padded tensor: a sequen
 joining with a long cache pads every batch mate to its length (a copy of the whole
 batch), and from then on every row attends over that padding: 8 short rows joined by
 one 1.7K-token row decoded 3.1x slower per step. Here each row owns its layers'
-(1, heads, capacity, dim) buffers (plain mlx-lm KVCaches, grown in 256-token steps):
+(1, heads, capacity, dim) buffers (plain mlx-lm KVCaches, grown in 256-token steps),
+and each step is ONE forward pass over a flat batch of tokens:
 
-- decode: the projections and MLP run batched (the weights are read once per step);
-  attention runs per row over that row's own length (RaggedLayerCache routes the
-  model's scaled_dot_product_attention to one call per row), so nobody reads padding;
-- joining copies nothing: a row's buffers were filled by the gather of its saved blocks
-  and by its own prefill; it enters the decode batch at the step its prefill ends;
-- prefill is chunked and interleaved with decode: each step runs up to
-  `prefill_tokens_per_step` prompt tokens, shortest remaining prefill first (a warm
-  agent's short suffix is never stuck behind a burst of long cold prompts, and the
-  first of a burst finish after their own prefill, not the whole burst's), then one
-  decode step of every ready row, so running rows get a token every step.
-
-Prefill runs prompt[:-1] through the row's own KVCaches exactly as mlx_lm.generate
-does; the last prompt token is the row's first decode input.
+- every decoding row contributes its one next token, rows still in their prompt a chunk
+  of it, all laid out as a (tokens, 1) batch: the projections and MLP run once over all
+  of them (the weights, which dominate a step's memory traffic, are read once), each
+  token carries its own position for rope, and attention runs per row over that row's
+  own length (FlatLayerCache routes the model's scaled_dot_product_attention to one
+  call per row), so nobody reads padding and nobody waits for a separate prefill pass;
+- joining copies nothing: a row's buffers were filled by the gather of its saved blocks;
+  a warm agent's short suffix rides in the next step and its first token comes out of it;
+- prompt tokens per step are bounded (`prefill_tokens_per_step`), shortest remaining
+  prefill first: a warm agent's suffix is never stuck behind a burst of long cold
+  prompts, and the first of a burst finish after their own prefill, not the whole
+  burst's; decoding rows get a token every step whatever is being prefilled.
 """
 
 from __future__ import annotations
@@ -40,47 +40,51 @@ SUPPORTED_MODULES = frozenset(
 )
 
 
-class RaggedLayerCache:
-    """One layer's view of a batch of rows, each row's KVCache at its own length.
+class FlatLayerCache:
+    """One layer's view of a step: rows' token runs laid out as a (tokens, 1) batch.
 
-    Decoding feeds one token per row; a batched prefill feeds each row a chunk, right-padded
-    to the longest: the padding's K/V land past the row's real tokens, where causal
-    attention never lets a real token see them, and `settle` then moves each row's offset
-    back to its real length, so the next write overwrites them.
+    `offset` gives every token its own rope position; K/V of each run go into its row's
+    KVCache, and attention is computed per row, causal within a run of several tokens.
     """
 
-    def __init__(self, rows: list[Any]) -> None:
+    def __init__(self, rows: list[Any], run_lengths: list[int], positions: mx.array) -> None:
         self.rows = rows
-        self.offset = mx.array([row.offset for row in rows])  # rope positions, one per row
+        self.run_lengths = run_lengths
+        self.offset = positions  # (tokens,): what the model hands to rope
+        bounds, total = [], 0
+        for n in run_lengths[:-1]:
+            total += n
+            bounds.append(total)
+        self._bounds = bounds
         self._fetched: list[tuple[mx.array, mx.array]] = []
-        self._causal = False
+
+    def _runs(self, flat: mx.array) -> list[mx.array]:
+        """(tokens, heads, 1, dim) -> one (1, heads, run, dim) array per row."""
+        return [part.swapaxes(0, 2) for part in mx.split(flat, self._bounds, axis=0)]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self._causal = keys.shape[2] > 1
-        row_keys = mx.split(keys, len(self.rows), axis=0)
-        row_values = mx.split(values, len(self.rows), axis=0)
         self._fetched = [
-            row.update_and_fetch(k, v) for row, k, v in zip(self.rows, row_keys, row_values, strict=True)
+            row.update_and_fetch(k, v)
+            for row, k, v in zip(self.rows, self._runs(keys), self._runs(values), strict=True)
         ]
         return keys, values  # placeholders: attention reads self._fetched
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
-        return None  # each row attends over exactly its own tokens
+        return None  # attention is per row (FlatLayerCache.attend)
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
-        row_queries = mx.split(queries, len(self.rows), axis=0)
         outputs = [
             mx.fast.scaled_dot_product_attention(
-                q, k, v, scale=scale, mask="causal" if self._causal else None, sinks=sinks
-            )
-            for q, (k, v) in zip(row_queries, self._fetched, strict=True)
+                q, k, v, scale=scale, mask="causal" if n > 1 else None, sinks=sinks
+            ).swapaxes(0, 2)
+            for q, (k, v), n in zip(self._runs(queries), self._fetched, self.run_lengths, strict=True)
         ]
         self._fetched = []
         return mx.concatenate(outputs, axis=0)
 
 
 def route_attention(model: Any) -> bool:
-    """Make the model's module send attention over a RaggedLayerCache to it, once per module.
+    """Make the model's module send attention over a FlatLayerCache to it, once per module.
 
     Every other cache goes to mlx-lm's own function unchanged. False when the model's
     architecture is not one this routing is known to be right for.
@@ -102,7 +106,7 @@ def route_attention(model: Any) -> bool:
         mask: Any,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        if isinstance(cache, RaggedLayerCache):
+        if isinstance(cache, FlatLayerCache):
             return cache.attend(queries, scale, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -116,7 +120,7 @@ class Row:
     uid: int
     layers: list[Any]  # one mlx-lm KVCache per layer, owned by this row
     cached_tokens: list[int]  # the tokens whose K/V the layers hold, in order
-    pending: list[int]  # prompt tokens not yet run; the last one is the first decode input
+    pending: list[int]  # tokens not yet fed: the prompt's rest, then the last sampled token
     max_tokens: int
     sampler: Sampler | None
     stop_token_ids: frozenset[int]
@@ -124,13 +128,14 @@ class Row:
     sampled: list[int] = field(default_factory=list)
 
     @property
-    def ready(self) -> bool:
-        """Prefilled: its next input is one token (the prompt's last, or the last sampled)."""
-        return len(self.pending) == 1
+    def decoding(self) -> bool:
+        return bool(self.sampled)
 
     @property
-    def prefill_left(self) -> int:
-        return len(self.pending) - 1
+    def finished(self) -> bool:
+        return bool(self.sampled) and (
+            len(self.sampled) >= self.max_tokens or self.sampled[-1] in self.stop_token_ids
+        )
 
 
 @dataclass(frozen=True)
@@ -142,10 +147,9 @@ class RowToken:
 
 @dataclass
 class StepStats:
-    prefill_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens fed this step
     decode_rows: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    forward_s: float = 0.0
 
 
 class RaggedBatchGenerator:
@@ -157,7 +161,7 @@ class RaggedBatchGenerator:
         self.model = model
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.rows: dict[int, Row] = {}
-        self.prompt_tokens_run = 0
+        self.prompt_tokens_run = 0  # prompt tokens fed, less each prompt's last (as mlx-lm counts)
         self.steps = 0
         self.last_step = StepStats()
         self._next_uid = 0
@@ -196,90 +200,41 @@ class RaggedBatchGenerator:
         return bool(self.rows)
 
     def step(self) -> list[RowToken]:
-        """Up to prefill_tokens_per_step prompt tokens (shortest remaining prefill first),
-        then one token for every prefilled row. Finished rows stay until `remove`."""
+        """One forward pass: one token of every decoding row plus up to prefill_tokens_per_step
+        prompt tokens (shortest remaining prompt first). A row whose prompt ends in this step
+        samples its first token from it. Finished rows stay until `remove`."""
         self.steps += 1
-        stats = StepStats()
-        start = time.perf_counter()
-        self._prefill(stats)
-        stats.prefill_s = time.perf_counter() - start
-        ready = [row for row in self.rows.values() if row.ready and not self._finished(row)]
-        out: list[RowToken] = []
-        if ready:
-            start = time.perf_counter()
-            out = self._decode(ready)
-            stats.decode_s = time.perf_counter() - start
-            stats.decode_rows = len(ready)
-        self.last_step = stats
-        return out
-
-    @staticmethod
-    def _finished(row: Row) -> bool:
-        return bool(row.sampled) and (
-            len(row.sampled) >= row.max_tokens or row.sampled[-1] in row.stop_token_ids
-        )
-
-    def _prefill(self, stats: StepStats) -> None:
-        """Shortest remaining prefill first, as many rows as the step's token budget covers,
-        run as one batched forward (a single row runs alone, exactly as mlx_lm.generate)."""
+        live = [row for row in self.rows.values() if not row.finished]
+        runs = [(row, 1) for row in live if row.decoding]
         budget = self.prefill_tokens_per_step
-        waiting = sorted(
-            (row for row in self.rows.values() if row.prefill_left > 0),
-            key=lambda r: (r.prefill_left, r.inserted_step, r.uid),
+        prefilling = sorted(
+            (row for row in live if not row.decoding),
+            key=lambda r: (len(r.pending), r.inserted_step, r.uid),
         )
-        chunks: list[tuple[Row, int]] = []
-        for row in waiting:
+        for row in prefilling:
             if budget <= 0:
                 break
-            n = min(budget, row.prefill_left)
-            chunks.append((row, n))
+            n = min(budget, len(row.pending))
+            runs.append((row, n))
             budget -= n
-        if not chunks:
-            return
-        if len(chunks) == 1:
-            row, n = chunks[0]
-            self.model(mx.array([row.pending[:n]]), cache=row.layers)
-        else:
-            self._prefill_batched(chunks)
-        mx.eval([(layer.keys, layer.values) for row, _ in chunks for layer in row.layers])
-        for row, n in chunks:
-            row.cached_tokens.extend(row.pending[:n])
-            del row.pending[:n]
-            stats.prefill_tokens += n
-            self.prompt_tokens_run += n
-
-    def _prefill_batched(self, chunks: list[tuple[Row, int]]) -> None:
-        width = max(n for _, n in chunks)
-        starts = [row.layers[0].offset for row, _ in chunks]
-        inputs = mx.array([row.pending[:n] + [0] * (width - n) for row, n in chunks])
-        n_layers = len(chunks[0][0].layers)
-        caches = [RaggedLayerCache([row.layers[i] for row, _ in chunks]) for i in range(n_layers)]
-        self.model(inputs, cache=caches)
-        for (row, n), start in zip(chunks, starts, strict=True):
-            for layer in row.layers:
-                layer.offset = start + n  # drop the padding
-
-    def _decode(self, rows: list[Row]) -> list[RowToken]:
-        inputs = mx.array([[row.pending[0]] for row in rows])
-        n_layers = len(rows[0].layers)
-        caches = [RaggedLayerCache([row.layers[i] for row in rows]) for i in range(n_layers)]
-        logits = self.model(inputs, cache=caches)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if all(row.sampler is None for row in rows):
-            sampled = mx.argmax(logprobs, axis=-1)
-        else:
-            parts = mx.split(logprobs, len(rows), axis=0)
-            sampled = mx.concatenate(
-                [
-                    mx.argmax(part, axis=-1) if row.sampler is None else row.sampler(part)
-                    for row, part in zip(rows, parts, strict=True)
-                ]
-            )
-        mx.eval(sampled)
-        tokens: list[int] = sampled.tolist()  # type: ignore[assignment]
+        stats = StepStats(decode_rows=sum(1 for row in live if row.decoding))
+        if not runs:
+            self.last_step = stats
+            return []
+        start = time.perf_counter()
+        sampled = self._forward(runs)
+        stats.forward_s = time.perf_counter() - start
         out = []
-        for row, token in zip(rows, tokens, strict=True):
-            row.cached_tokens.append(row.pending[0])
+        for row, n in runs:
+            fed = row.pending[:n]
+            del row.pending[:n]
+            row.cached_tokens.extend(fed)
+            if not row.decoding:
+                stats.prompt_tokens += n
+                self.prompt_tokens_run += n - (0 if row.pending else 1)
+            if row.pending:
+                continue  # prompt not done: no token yet
+            token = sampled[row.uid]
             row.pending = [token]
             row.sampled.append(token)
             reason = None
@@ -288,4 +243,45 @@ class RaggedBatchGenerator:
             elif len(row.sampled) >= row.max_tokens:
                 reason = "length"
             out.append(RowToken(row.uid, token, reason))
+        self.last_step = stats
         return out
+
+    def _forward(self, runs: list[tuple[Row, int]]) -> dict[int, int]:
+        """Run the flat batch; sample a token for every row whose pending tokens all ran."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        for row, n in runs:
+            tokens.extend(row.pending[:n])
+            base = row.layers[0].offset
+            positions.extend(range(base, base + n))
+        n_layers = len(runs[0][0].layers)
+        lengths = [n for _, n in runs]
+        position_array = mx.array(positions)
+        caches = [
+            FlatLayerCache([row.layers[i] for row, _ in runs], lengths, position_array)
+            for i in range(n_layers)
+        ]
+        logits = self.model(mx.array(tokens)[:, None], cache=caches)[:, -1, :]
+        ends, last = [], -1
+        for _, n in runs:
+            last += n
+            ends.append(last)
+        finishing = [(row, end) for (row, n), end in zip(runs, ends, strict=True) if n == len(row.pending)]
+        if not finishing:
+            mx.eval([(layer.keys, layer.values) for row, _ in runs for layer in row.layers])
+            return {}
+        picked = logits[mx.array([end for _, end in finishing])]
+        logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
+        if all(row.sampler is None for row, _ in finishing):
+            choice = mx.argmax(logprobs, axis=-1)
+        else:
+            parts = mx.split(logprobs, len(finishing), axis=0)
+            choice = mx.concatenate(
+                [
+                    mx.argmax(part, axis=-1) if row.sampler is None else row.sampler(part)
+                    for (row, _), part in zip(finishing, parts, strict=True)
+                ]
+            )
+        mx.eval(choice, [(layer.keys, layer.values) for row, _ in runs for layer in row.layers])
+        values: list[int] = choice.tolist()  # type: ignore[assignment]
+        return {row.uid: token for (row, _), token in zip(finishing, values, strict=True)}
