@@ -2,8 +2,10 @@
 
 A job is *lost* when it never ends, *failed* when it ends without a result, *duplicated* when
 rq holds more than one result for it or its stream closes more than once. Its stream tells how
-many times it ran (one `start` event per attempt), and the text a reader streams must be the
-result's text. Shared by the integration tests and benchmarks/chaos.py.
+many times it ran (one `start` event per attempt that got as far as streaming; a worker killed
+between taking a job and its first flush leaves none), its job.meta how many times it was
+re-queued after its worker died; the text a reader streams must be the result's text. Shared by
+the integration tests and benchmarks/chaos.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer.client import JobFailedError, JobHandle
-from producer.protocol import StreamEvent, stream_key
+from producer.protocol import CRASHES_META_KEY, StreamEvent, stream_key
 
 ENDED = ("finished", "failed", "canceled", "stopped")
 
@@ -34,6 +36,13 @@ def attempts(connection: Redis, job_id: str) -> int:
     return sum(event.kind == "start" for event in stream_events(connection, job_id))
 
 
+def crash_reruns(connection: Redis, job_id: str) -> int:
+    """How many times the job was re-queued because its worker died (job.meta, kvrq's count)."""
+    meta = Job.fetch(job_id, connection=connection, serializer=JSONSerializer).get_meta(refresh=False)
+    value = meta.get(CRASHES_META_KEY, 0)
+    return value if isinstance(value, int) else 0
+
+
 def results_of(connection: Redis, job_id: str) -> list[Result]:
     """Every rq Result kept for the job (rq keeps one per run that reported)."""
     return Job(job_id, connection=connection, serializer=JSONSerializer).results()
@@ -46,6 +55,7 @@ class Delivery:
     attempts: int  # start events
     closings: int  # end + error events
     results: int  # rq Result entries
+    crashes: int = 0  # re-queued after its worker died
     code: str | None = None  # ErrorCode of a failed job
     streamed_matches: bool | None = None  # stream() text == result text (finished jobs)
 
@@ -74,17 +84,20 @@ def delivery(handle: JobHandle) -> Delivery:
     starts = sum(e.kind == "start" for e in events)
     closings = sum(e.final for e in events)
     results = len(results_of(connection, handle.id))
+    crashes = crash_reruns(connection, handle.id)
     if status == "finished":
         text = handle.result(timeout=5).text
         streamed = "".join(handle.stream(timeout=5))
-        return Delivery(handle.id, status, starts, closings, results, streamed_matches=streamed == text)
+        return Delivery(
+            handle.id, status, starts, closings, results, crashes, streamed_matches=streamed == text
+        )
     code = None
     if status == "failed":
         try:
             handle.result(timeout=1)
         except JobFailedError as exc:
             code = exc.code
-    return Delivery(handle.id, status, starts, closings, results, code=code)
+    return Delivery(handle.id, status, starts, closings, results, crashes, code=code)
 
 
 def deliveries(handles: Iterable[JobHandle]) -> list[Delivery]:
@@ -92,11 +105,12 @@ def deliveries(handles: Iterable[JobHandle]) -> list[Delivery]:
 
 
 def summary(items: list[Delivery]) -> dict[str, int]:
-    """finished / failed / lost / duplicated counts, and jobs that ran more than once."""
+    """finished / failed / lost / duplicated counts; jobs re-queued after a crash; jobs streamed twice."""
     return {
         "finished": sum(d.status == "finished" for d in items),
         "failed": sum(d.status == "failed" for d in items),
         "lost": sum(d.lost for d in items),
         "duplicated": sum(d.duplicated for d in items),
-        "rerun": sum(d.attempts > 1 for d in items),
+        "crash_rerun": sum(d.crashes > 0 for d in items),
+        "streamed_twice": sum(d.attempts > 1 for d in items),
     }

@@ -24,7 +24,7 @@ from rq.serializers import JSONSerializer
 
 from producer.client import JobFailedError, JobHandle, Producer
 from producer.protocol import JOB_FUNCTION, worker_agents_key
-from tests.worker.chaos_checks import ENDED, attempts, deliveries, stream_events, summary
+from tests.worker.chaos_checks import ENDED, attempts, crash_reruns, deliveries, stream_events, summary
 from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -135,6 +135,7 @@ def test_kill_9_with_a_second_worker_alive(producer: Producer, fleet: Fleet) -> 
     victim = fleet.by_name(holder(connection, turn_1.id) or "")
     survivor = second if victim is first else first
     held = [h for h in [turn_1, *fillers] if holder(connection, h.id) == victim.name]
+    streamed = [h for h in held if attempts(connection, h.id) == 1]  # its first run reached the stream
     victim.kill()
 
     everything = [turn_1, *fillers, turn_2]
@@ -142,7 +143,8 @@ def test_kill_9_with_a_second_worker_alive(producer: Producer, fleet: Fleet) -> 
     delivered = deliveries(everything)
     assert summary(delivered)["finished"] == len(everything), delivered
     assert all(d.finished_once for d in delivered), delivered
-    assert all(attempts(connection, h.id) == 2 for h in held)  # each re-run shows as a new attempt
+    assert [crash_reruns(connection, h.id) for h in held] == [1] * len(held)
+    assert all(attempts(connection, h.id) == 2 for h in streamed)  # the re-run shows as a new attempt
     r1, r2 = turn_1.result(timeout=5), turn_2.result(timeout=5)
     assert r1.worker == survivor.name and r1.text == answer
     # The agent's next turn did not overtake the re-run: it resumed from the re-run's prompt + answer.
@@ -168,6 +170,7 @@ def test_kill_9_with_no_worker_alive_and_a_poison_job(producer: Producer, fleet:
     )
     wait_for(lambda: generating(connection, poison.id), 120, "the poison job did not start")
     held_first = [h for h in others if holder(connection, h.id) == first.name]
+    streamed_first = [h for h in held_first if attempts(connection, h.id) == 1]
     first.kill()
 
     time.sleep(4)  # twice the liveness TTL: nobody is alive to re-run anything
@@ -187,7 +190,8 @@ def test_kill_9_with_no_worker_alive_and_a_poison_job(producer: Producer, fleet:
     delivered = deliveries(others)
     assert summary(delivered)["finished"] == len(others), delivered
     assert all(d.finished_once for d in delivered), delivered
-    assert all(attempts(connection, h.id) >= 2 for h in held_first)
+    assert all(crash_reruns(connection, h.id) >= 1 for h in held_first)
+    assert all(attempts(connection, h.id) >= 2 for h in streamed_first)
     assert all(h.result(timeout=5).worker in (second.name, third.name) for h in held_first)
     for dead in (first, second):
         wait_for(lambda: forgotten(connection, dead.name), 10, f"{dead.name}'s record or locks remain")  # noqa: B023
@@ -220,4 +224,4 @@ def test_kill_9_rounds(producer: Producer, fleet: Fleet) -> None:
     delivered = deliveries(everything)
     counts = summary(delivered)
     assert counts["finished"] == len(everything), (counts, [d for d in delivered if not d.finished_once])
-    assert counts["duplicated"] == 0 and counts["lost"] == 0
+    assert counts["duplicated"] == 0 and counts["lost"] == 0 and counts["crash_rerun"] > 0
