@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.blocks import AgentCache
 from engine.spec import ModelCacheSpec
-from store import quant
+from store import layered_codec, quant
 from store.agent_ids import validate_agent_id
 from store.base import BACKEND_COUNTERS, CacheInfo, Stats, log, record_miss, shared_prefix
 from store.block_codec import EncodedBlock, decode_block, encode_block
@@ -117,7 +117,7 @@ class BlockBackend(ABC):
         group_size: int = 64,
         max_bytes: int | None = None,
     ) -> None:
-        quant.check_quantization(quantization, group_size, (spec.k_head_dim, spec.v_head_dim))
+        quant.check_quantization(quantization, group_size, layered_codec.head_dims(spec))
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.spec = spec
@@ -291,7 +291,8 @@ class BlockBackend(ABC):
         """Encode the blocks `previous` does not already hold; keep (by reference) those it does."""
         cache.validate(self.spec)
         generation = new_generation()
-        chains = chain_keys(self.spec, self.quantization, self.group_size, cache.token_ids)
+        layouts = [block.layout() for block in cache.blocks]  # a window or checkpoint makes another block
+        chains = chain_keys(self.spec, self.quantization, self.group_size, cache.token_ids, layouts)
         reusable: dict[tuple[str, int], BlockRef] = {}
         if previous is not None and (previous.quantization, previous.group_size, previous.part_bytes) == (
             self.quantization,

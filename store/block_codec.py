@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.blocks import KVBlock
 from engine.spec import ModelCacheSpec
-from store import quant
+from store import layered_codec, quant
 from store.checksum import crc32
 from store.errors import BAD_BLOCK, CHECKSUM, TRUNCATED, BadCacheError
 from store.iopool import crc32_async
@@ -65,7 +65,11 @@ def encode_block(block: KVBlock, spec: ModelCacheSpec, quantization: str, group_
     """Serialize one block; for `none` the buffers are the block's own arrays."""
     dtype = _ST_DTYPE[spec.dtype]
     tensors: list[tuple[str, str, np.ndarray]] = []
-    if quantization == "none":
+    metadata = _block_metadata(spec, quantization, group_size, block.n_tokens)
+    if not spec.all_full_attention:  # sliding windows, per-layer shapes, SSM checkpoints
+        tensors, extra = layered_codec.encode_layered(block, spec, quantization, group_size)
+        metadata.update(extra)
+    elif quantization == "none":
         for layer, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
             tensors.append((f"L{layer}.k", dtype, np.ascontiguousarray(k)))
             tensors.append((f"L{layer}.v", dtype, np.ascontiguousarray(v)))
@@ -81,7 +85,7 @@ def encode_block(block: KVBlock, spec: ModelCacheSpec, quantization: str, group_
                 tensors.append((f"L{layer}.{kind}.q", "U32", packed[layer]))
                 tensors.append((f"L{layer}.{kind}.scales", dtype, scales[layer]))
                 tensors.append((f"L{layer}.{kind}.biases", dtype, biases[layer]))
-    header, buffers = encode(tensors, _block_metadata(spec, quantization, group_size, block.n_tokens))
+    header, buffers = encode(tensors, metadata)
     blob_parts: list[bytes | memoryview] = [header, *buffers]
     nbytes = len(header) + sum(len(b) for b in buffers)
     return EncodedBlock(header, buffers, nbytes, crc32_async(blob_parts))
@@ -105,6 +109,19 @@ def decode_block(
     except SafetensorsError as exc:
         raise BadCacheError(BAD_BLOCK, f"block {ref.name}: {exc}") from None
     expected_meta = _block_metadata(spec, manifest.quantization, manifest.group_size, ref.n_tokens)
+    if not spec.all_full_attention:
+        return layered_codec.decode_layered(
+            blob,
+            ref.name,
+            ref.n_tokens,
+            spec,
+            manifest.quantization,
+            manifest.group_size,
+            metadata,
+            expected_meta,
+            entries,
+            data_start,
+        )
     if metadata != expected_meta:
         raise BadCacheError(BAD_BLOCK, f"block {ref.name} metadata {metadata} is not {expected_meta}")
     expected = _expected_tensors(spec, manifest.quantization, manifest.group_size, ref.n_tokens)

@@ -28,9 +28,12 @@ from store.stfile import SafetensorsError, TensorEntry, encode, parse_header, vi
 FORMAT_NAME = "kvrq-agent-cache"
 # Manifests: version 2 adds `fence` and `part_bytes` (blocks split into several Redis values). A version-1
 # reader must not take a version-2 Redis cache for a damaged one and delete it, hence the bump; version-1
-# manifests still read (fence 0, one value per block). Block blobs did not change: they stay version 1.
-FORMAT_VERSION_NUMBER = 2
-READABLE_VERSIONS = ("1", "2")
+# manifests still read (fence 0, one value per block). Version 3: the spec describes each layer (sliding
+# windows, per-layer shapes, SSM state) and such models' blocks follow store/layered_codec.py; a plain
+# full-attention model's spec, fingerprint and blocks did not change, so its version-1 and -2 caches still
+# read, and an older reader takes a version-3 cache for a miss (format_version) and leaves it alone.
+FORMAT_VERSION_NUMBER = 3
+READABLE_VERSIONS = ("1", "2", "3")
 BLOCK_FORMAT_VERSION = 1
 
 
@@ -80,15 +83,25 @@ def spec_fingerprint(spec: ModelCacheSpec) -> str:
 
 
 def chain_keys(
-    spec: ModelCacheSpec, quantization: str, group_size: int, token_ids: Sequence[int]
+    spec: ModelCacheSpec,
+    quantization: str,
+    group_size: int,
+    token_ids: Sequence[int],
+    layouts: Sequence[str] = (),
 ) -> list[str]:
-    """One reuse key per block: equal keys mean equal tokens from position 0 to the block's end."""
+    """One reuse key per block: equal keys mean equal tokens from position 0 to the block's end
+    and, where a block's layout is not '' (engine.blocks.KVBlock.layout: a sliding window's part,
+    a checkpoint), the same layout."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     digest = hashlib.sha256(f"{spec_fingerprint(spec)}|{quantization}|{group_size}|".encode())
     keys = []
-    for start in range(0, len(tokens), spec.block_tokens):
+    for index, start in enumerate(range(0, len(tokens), spec.block_tokens)):
         digest.update(tokens[start : start + spec.block_tokens].tobytes())
-        keys.append(digest.copy().hexdigest()[:32])
+        key = digest.copy()
+        layout = layouts[index] if index < len(layouts) else ""
+        if layout:
+            key.update(f"|{layout}".encode())
+        keys.append(key.hexdigest()[:32])
     return keys
 
 

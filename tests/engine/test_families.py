@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -13,7 +14,8 @@ from mlx_lm.generate import generate_step
 from engine.engine import BlockPoolBatchEngine
 from engine.params import SamplingParams
 from engine.results import Completion
-from tests.engine.tiny import ByteTokenizer, tiny_model
+from store import open_store
+from tests.engine.tiny import QUANTIZABLE, ByteTokenizer, tiny_model
 
 FAMILIES = [
     "llama",
@@ -130,3 +132,56 @@ def test_resume_equals_fresh_prefill(
     shared = min(edit_at if edit_at is not None else cache.n_tokens, len(prompt) - 1)
     assert resumed.usage.reused_tokens == expected_reuse(engine, cache.n_tokens, shared)
     assert resumed.token_ids == reference(model, prompt, 12)
+
+
+# q8 at rest is lossy: where a random tiny model's top-2 margin is below the error it adds, greedy flips.
+Q8_FLIPS = {
+    "qwen3_5": "top-2 log-prob margin 0.007 at the 2nd token, q8 KV moves log-probs by ~0.001: greedy flips",
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def quantizable(request: pytest.FixtureRequest) -> tuple[str, Any]:
+    return request.param, tiny_model(request.param, **QUANTIZABLE[request.param])
+
+
+@pytest.mark.parametrize("quantization", ["none", "q8"])
+@pytest.mark.parametrize("backend", ["disk", "redis"])
+def test_resume_through_the_store_equals_fresh_prefill(
+    quantizable: tuple[str, Any],
+    backend: str,
+    quantization: str,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> None:
+    """Turn 1's cache goes through a real store (a fresh instance reads it: nothing in memory) and
+    the next turn, and an edited one, resume from it exactly as a fresh prefill would run."""
+    arch, model = quantizable
+    if quantization != "none" and arch in Q8_FLIPS:
+        request.applymarker(pytest.mark.xfail(reason=Q8_FLIPS[arch], strict=True))
+    uri = f"disk:{tmp_path / 'store'}" if backend == "disk" else request.getfixturevalue("redis_url")
+    engine = BlockPoolBatchEngine(
+        model, ByteTokenizer(), model_name=f"tiny-{arch}", pool_blocks=32, max_batch=4, max_context=2048
+    )
+    options: dict[str, Any] = {"quantization": quantization, "group_size": 32, "hot_tier_bytes": 0}
+    try:
+        cache = first_turn(engine).cache
+        assert cache is not None
+        writer = open_store(uri, engine.spec, **options)
+        assert writer.put("agent", cache).result() is True
+        writer.close()
+        reader = open_store(uri, engine.spec, **options)
+        for edit_at in (None, 280):
+            prompt = list(cache.token_ids) + prompt_of(40, salt=7)
+            if edit_at is not None:
+                prompt[edit_at] = (prompt[edit_at] + 1) % 256 or 1
+            stored = reader.get("agent", prompt_tokens=prompt)
+            assert stored is not None, reader.stats()
+            uid = engine.submit("agent", prompt, SamplingParams(max_tokens=12), cache=stored)
+            resumed = run_all(engine)[uid]
+            shared = min(edit_at if edit_at is not None else cache.n_tokens, len(prompt) - 1)
+            assert resumed.usage.reused_tokens == expected_reuse(engine, cache.n_tokens, shared)
+            assert resumed.token_ids == reference(model, prompt, 12)
+        reader.close()
+    finally:
+        engine.close()

@@ -189,6 +189,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Overrides that make every KV head dim a multiple of 32, so q8/q4 at rest (group size 32) applies.
+QUANTIZABLE: dict[str, dict[str, Any]] = {
+    **{arch: {"num_attention_heads": 2, "num_key_value_heads": 1} for arch in ("llama", "mistral", "qwen2")},
+    **{arch: {"num_attention_heads": 2, "num_key_value_heads": 1} for arch in ("phi3", "mixtral")},
+    **{arch: {"head_dim": 32} for arch in ("qwen3", "qwen3_moe", "ministral3", "gpt_oss", "falcon_h1")},
+    "gemma3_text": {"head_dim": 32, "query_pre_attn_scalar": 32},
+    "deepseek_v2": {"qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 32},
+    "deepseek_v3": {"qk_rope_head_dim": 32},
+    "qwen3_next": {"head_dim": 32},
+    "qwen3_5": {"text_config": {**CONFIGS["qwen3_5"]["text_config"], "head_dim": 32}},
+    "mamba": {},
+    "mamba2": {},
+}
+
+
 def model_config(arch: str, **overrides: Any) -> dict[str, Any]:
     """The config.json an mlx-lm folder of this tiny model would hold."""
     return {"model_type": arch, **CONFIGS[arch], **overrides}
