@@ -29,6 +29,7 @@ FAMILIES = [
     "gpt_oss",
     "deepseek_v2",
     "deepseek_v3",
+    "openelm",
     "qwen3_next",
     "qwen3_5",
     "falcon_h1",

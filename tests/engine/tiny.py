@@ -3,8 +3,9 @@
 One config per family the engine is tested on (tests/engine/test_families.py): every config
 is as small as the architecture allows (hidden 64, 2 to 6 layers, vocabulary 256) while
 keeping what makes the family different: sliding-window layers (gemma3_text, ministral3,
-gpt_oss), MLA with different K and V dims (deepseek_v2/v3), linear attention or SSM layers
-(qwen3_next, qwen3_5, falcon_h1, mamba, mamba2), experts (qwen3_moe, mixtral).
+gpt_oss), MLA with different K and V dims (deepseek_v2/v3), per-layer head counts (openelm),
+linear attention or SSM layers (qwen3_next, qwen3_5, falcon_h1, mamba, mamba2), experts
+(qwen3_moe, mixtral).
 """
 
 from __future__ import annotations
@@ -157,6 +158,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "mlp_expansion_factor": 2,
         "max_position_embeddings": 1024,
     },
+    "openelm": {  # per-layer head counts: layer 0 keeps 1 KV head, layer 1 keeps 2
+        "head_dim": 16,
+        "num_transformer_layers": 2,
+        "model_dim": 64,
+        "vocab_size": 256,
+        "ffn_dim_divisor": 8,
+        "num_query_heads": [2, 4],
+        "num_kv_heads": [1, 2],
+        "ffn_multipliers": [1.0, 2.0],
+    },
     "mamba": {
         "vocab_size": 256,
         "hidden_size": 64,
@@ -199,6 +210,7 @@ QUANTIZABLE: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"qk_rope_head_dim": 32},
     "qwen3_next": {"head_dim": 32},
     "qwen3_5": {"text_config": {**CONFIGS["qwen3_5"]["text_config"], "head_dim": 32}},
+    "openelm": {"head_dim": 32},
     "mamba": {},
     "mamba2": {},
 }
