@@ -10,6 +10,11 @@ list is walked in the spec's leaf order (engine.spec: `kv_layers()`, `state_laye
   sequence passed while it ran (`checkpoints`, taken by engine/checkpoints.py) or ended on.
 A rebuilt RotatingKVCache holds the `window` tokens before the resume point, in order,
 exactly what mlx-lm's own cache holds there; a rebuilt ArraysCache is the checkpoint.
+
+Only the last KEEP_CHECKPOINTS checkpoints are kept: one costs every state layer's arrays
+(147 MiB for Qwen3.5-27B, docs/models.md), as much as 2,300 tokens of its KV, so keeping one
+per block would make the state, not the KV, what an agent's cache costs. Two let a turn that
+rewrites the end of the history (a regenerated answer) resume within the last 512 tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from engine.spec import KVLayer, LayerSpec, ModelCacheSpec
 Checkpoint = tuple[tuple[np.ndarray, ...], ...]  # per state layer, its arrays (host, storage dtype)
 
 _MLX_DTYPE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+KEEP_CHECKPOINTS = 2
 
 
 def leaf_caches(layers: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -80,9 +86,11 @@ def layered_caches_to_blocks(
     token_ids: list[int],
     spec: ModelCacheSpec,
     checkpoints: Mapping[int, Checkpoint] | None = None,
+    keep_checkpoints: int = KEEP_CHECKPOINTS,
 ) -> AgentCache:
     """Cut a finished sequence's caches into blocks: full layers whole, sliding layers' windows,
-    state checkpoints at the block ends in `checkpoints` (position -> checkpoint) or at the end."""
+    the last `keep_checkpoints` state checkpoints of `checkpoints` (position -> checkpoint, plus
+    the end when it is a block boundary)."""
     n_tokens = len(token_ids)
     if n_tokens == 0:
         return AgentCache(spec, [], [])
@@ -96,6 +104,8 @@ def layered_caches_to_blocks(
     block_tokens = spec.block_tokens
     if spec.state_layers() and n_tokens and n_tokens % block_tokens == 0 and n_tokens not in checkpoints:
         checkpoints[n_tokens] = take_checkpoint(layers, spec)
+    last = sorted(p for p in checkpoints if p <= n_tokens)[-keep_checkpoints:] if keep_checkpoints > 0 else []
+    checkpoints = {p: checkpoints[p] for p in last}
     kept_from = [
         _kept_from(layer, first, n_tokens)
         for layer, (_k, _v, first) in zip(spec.kv_layers(), host, strict=True)
