@@ -1,0 +1,106 @@
+"""The store with models whose layers are not all plain full attention (store/layered_codec.py):
+real caches from tiny random models, through a DiskStore.
+
+A sliding window moves on and SSM checkpoints age out, so the same tokens' block holds less at
+a later put: the block's layout is part of its reuse key and such a block is written again, and
+what the store holds is only what the window and the last checkpoints need."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.blocks import AgentCache
+from engine.engine import BlockPoolBatchEngine
+from engine.layered_kv import KEEP_CHECKPOINTS
+from engine.params import SamplingParams
+from store.disk import DiskStore
+from tests.engine.test_families import prompt_of, run_all
+from tests.engine.tiny import ByteTokenizer, tiny_model
+
+
+def two_turns(arch: str, first_prompt: int, more: int) -> tuple[BlockPoolBatchEngine, AgentCache, AgentCache]:
+    engine = BlockPoolBatchEngine(
+        tiny_model(arch), ByteTokenizer(), model_name=f"tiny-{arch}", pool_blocks=32, max_context=4096
+    )
+    params = SamplingParams(max_tokens=8, stop_tokens=())
+    uid = engine.submit("a", prompt_of(first_prompt), params)
+    first = run_all(engine)[uid].cache
+    assert first is not None
+    uid = engine.submit("a", list(first.token_ids) + prompt_of(more, salt=5), params, cache=first)
+    second = run_all(engine)[uid].cache
+    assert second is not None
+    engine.close()
+    return engine, first, second
+
+
+def held_tokens(cache: AgentCache, layer: int) -> int:
+    return sum(int(block.keys[layer].shape[1]) for block in cache.blocks)
+
+
+def test_a_block_the_window_left_is_written_again_without_it(tmp_path: Path) -> None:
+    engine, first, second = two_turns("gemma3_text", 760, 300)  # window 32
+    assert first.n_tokens == 768  # the window [736, 768) lies in full block 2
+    assert first.blocks[2].layout() != ""
+    store = DiskStore(tmp_path, engine.spec)
+    store.put("a", first)
+    store.put("a", second)
+    assert store.stats()["blocks_reused"] == 2  # blocks 0 and 1: same tokens, never held any window
+    stored = store.get("a")
+    assert stored is not None and stored.n_tokens == second.n_tokens
+    for layer in engine.spec.kv_layers():
+        expected = 32 if layer.kind == "sliding" else second.n_tokens
+        assert held_tokens(stored, layer.index) == expected
+
+
+def test_only_the_last_checkpoints_stay_in_the_store(tmp_path: Path) -> None:
+    engine, first, second = two_turns("mamba", 900, 400)
+    store = DiskStore(tmp_path, engine.spec)
+    store.put("a", first)
+    store.put("a", second)
+    stored = store.get("a")
+    assert stored is not None
+    ends = [(i + 1) * 256 for i, block in enumerate(stored.blocks) if block.states]
+    assert ends == [1024, 1280][-KEEP_CHECKPOINTS:]
+    info = store.info("a")
+    assert info is not None
+    assert info.nbytes < (KEEP_CHECKPOINTS + 1) * engine.spec.state_bytes()  # the aged-out one is gone
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "falcon_h1", "openelm", "mamba2"])
+def test_layered_caches_round_trip_bit_exact(tmp_path: Path, arch: str) -> None:
+    engine, first, _second = two_turns(arch, 600, 10)
+    store = DiskStore(tmp_path, engine.spec)
+    store.put("a", first)
+    stored = DiskStore(tmp_path, engine.spec).get("a")
+    assert stored is not None
+    stored.validate(engine.spec)
+    assert stored.token_ids == first.token_ids
+    for got, put in zip(stored.blocks, first.blocks, strict=True):
+        assert got.layout() == put.layout()
+        for x, y in zip(got.keys + got.values, put.keys + put.values, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+        for xs, ys in zip(got.states, put.states, strict=True):
+            assert [x.tobytes() for x in xs] == [y.tobytes() for y in ys]
+
+
+def test_a_version_2_cache_of_a_plain_model_still_reads(tmp_path: Path) -> None:
+    """Plain full-attention specs, fingerprints and blocks did not change in version 3 (per-layer specs)."""
+    from store.manifest import FORMAT_VERSION_NUMBER, _metadata_checksum
+    from store.stfile import encode, parse_header, view
+    from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+
+    spec = tiny_spec()
+    store = DiskStore(tmp_path, spec)
+    cache = make_cache(spec, tokens(40))
+    store.put("a", cache)
+    (path,) = tmp_path.rglob("manifest.safetensors")
+    blob = path.read_bytes()
+    metadata, entries, start = parse_header(blob)
+    assert metadata["version"] == str(FORMAT_VERSION_NUMBER)
+    metadata["version"] = "2"
+    metadata["checksum"] = str(_metadata_checksum(metadata))
+    header, buffers = encode([("token_ids", "I64", view(blob, entries["token_ids"], start))], metadata)
+    path.write_bytes(b"".join([header, *buffers]))
+    assert_same_cache(DiskStore(tmp_path, spec).get("a"), cache)
