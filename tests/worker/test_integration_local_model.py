@@ -1,7 +1,8 @@
 """`kvrq worker --model PATH`: a real worker process on a local mlx-lm model folder.
 
 The folder is written here the way `mlx_lm.convert` writes one: config.json, model.safetensors
-(a tiny random llama) and the tokenizer files (the builtin SmolLM2 tokenizer, saved with
+(a tiny random llama, or qwen3_next: linear-attention layers whose state is checkpointed every
+256 tokens) and the tokenizer files (the builtin SmolLM2 tokenizer, saved with
 `save_pretrained`). The worker's answers must equal mlx-lm's own greedy decode of the same
 folder, and an agent's second turn must resume from the first turn's cache.
 """
@@ -28,15 +29,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 VOCAB = 49152  # the builtin tokenizer's
 
 
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["llama", "qwen3_next"])
+def model_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.gguf_smollm2 import gguf_path
     from engine.gguf_tokenizer import tokenizer_from_gguf_metadata
 
-    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
+    arch = request.param
+    folder = tmp_path_factory.mktemp("models") / f"tiny-{arch}"
     loaded: Any = mx.load(str(gguf_path()), return_metadata=True)
     tokenizer_from_gguf_metadata(loaded[1])._tokenizer.save_pretrained(str(folder))
-    save_model_folder(tiny_model("llama", vocab_size=VOCAB), model_config("llama", vocab_size=VOCAB), folder)
+    save_model_folder(tiny_model(arch, vocab_size=VOCAB), model_config(arch, vocab_size=VOCAB), folder)
     return folder
 
 
@@ -55,7 +57,7 @@ def producer(
     worker = WorkerProcess(
         redis_proc.url,
         tmp_path_factory.mktemp("worker-local-model"),
-        name="kvrq-local-model",
+        name=f"kvrq-local-{model_folder.name}",
         args=["--model", str(model_folder), "--max-batch", "4"],
     )
     worker.start()
@@ -85,8 +87,8 @@ def test_worker_on_a_local_folder_answers_like_mlx_lm_and_resumes(
     producer: Producer, model_folder: Path
 ) -> None:
     first: dict[str, Any] = {
-        "agent_id": "local-agent",
-        "messages": [{"role": "user", "content": "Tell me about the sea."}],
+        "agent_id": f"agent-{model_folder.name}",
+        "messages": [{"role": "user", "content": "Tell me about the sea. " * 40}],  # ~300 tokens
         "max_tokens": 16,
     }
     result = producer.submit(first).result(timeout=300)
@@ -102,7 +104,10 @@ def test_worker_on_a_local_folder_answers_like_mlx_lm_and_resumes(
         ],
     }
     again = producer.submit(second).result(timeout=300)
-    assert again.usage.reused_tokens > 0, "the second turn should resume from the first turn's cache"
+    if model_folder.name == "tiny-qwen3_next":
+        assert again.usage.reused_tokens == 256  # the checkpoint inside the shared first message
+    else:
+        assert again.usage.reused_tokens > result.usage.prompt_tokens - 8  # the first prompt, at least
     assert again.token_ids == greedy_reference(model_folder, second)
 
 
