@@ -21,7 +21,7 @@ from engine.blocks import AgentCache
 from engine.spec import ModelCacheSpec
 from store import layered_codec, quant
 from store.agent_ids import validate_agent_id
-from store.base import BACKEND_COUNTERS, CacheInfo, Stats, log, record_miss, shared_prefix
+from store.base import BACKEND_COUNTERS, CacheInfo, Stats, log, note_miss, record_miss, shared_prefix
 from store.block_codec import EncodedBlock, decode_block, encode_block
 from store.errors import (
     ABSENT,
@@ -32,12 +32,22 @@ from store.errors import (
     UNEXPECTED,
     BadCacheError,
 )
-from store.manifest import BlockRef, Manifest, block_name, chain_keys, decode_manifest, new_generation
+from store.manifest import (
+    BlockRef,
+    Manifest,
+    block_name,
+    chain_keys,
+    decode_manifest,
+    new_generation,
+    share_keys,
+    shared_name,
+)
 
 _READ_ATTEMPTS = 3
 BUDGET_RESCAN_S = 5.0
 
 Blob = bytes | bytearray | memoryview
+DEFAULT_NAMESPACE = "default"
 
 
 def check_fence(fence: object) -> None:
@@ -66,12 +76,21 @@ class Usage:
 
 @dataclass(frozen=True)
 class NewBlock:
-    """A block a put must write (its CRC-32 may still be computing)."""
+    """A block a put must write (its CRC-32 may still be computing), or link if it is shared.
 
-    name: str
+    A full block carries its content key (`share`): it is stored once for every agent of the
+    namespace under `shared_name(share, crc32)`, so its name waits for its CRC-32.
+    """
+
+    own_name: str
     chain: str
     n_tokens: int
     encoded: EncodedBlock
+    share: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.own_name if self.share is None else shared_name(self.share, self.encoded.crc32)
 
     def ref(self) -> BlockRef:
         return BlockRef(self.name, self.chain, self.n_tokens, self.encoded.nbytes, self.encoded.crc32)
@@ -116,11 +135,15 @@ class BlockBackend(ABC):
         quantization: str = "none",
         group_size: int = 64,
         max_bytes: int | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
+        if not isinstance(namespace, str) or not 0 < len(namespace) <= 200:
+            raise ValueError(f"namespace must be a string of 1 to 200 characters, got {namespace!r}")
         quant.check_quantization(quantization, group_size, layered_codec.head_dims(spec))
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.spec = spec
+        self.namespace = namespace
         self.quantization = quantization
         self.group_size = group_size if quantization != "none" else 0
         self.max_bytes = max_bytes
@@ -163,22 +186,87 @@ class BlockBackend(ABC):
     def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
         validate_agent_id(agent_id)
         self._stats.add("gets")
+        cache = self._own_cache(agent_id, prompt_tokens)
+        if prompt_tokens is not None:
+            warm = self._warm_start(agent_id, prompt_tokens, 0 if cache is None else cache.n_tokens)
+            if warm is not None:
+                self._stats.add("cross_agent_hits")
+                cache = warm
+        self._stats.add("hits" if cache is not None else "misses")
+        return cache
+
+    def _own_cache(self, agent_id: str, prompt_tokens: Sequence[int] | None) -> AgentCache | None:
+        """The agent's own cache, or None with the reason counted (`miss_<reason>`) and logged."""
         try:
-            cache = self._load(agent_id, prompt_tokens)
+            return self._load(agent_id, prompt_tokens)
         except BadCacheError as exc:
-            record_miss(self._stats, self.kind, agent_id, exc.reason, exc.detail)
+            note_miss(self._stats, self.kind, agent_id, exc.reason, exc.detail)
             if exc.reason in DAMAGE and exc.manifest_blob is not None:
                 self._discard_damaged(agent_id, exc.manifest_blob)
+        except self._io_errors() as exc:
+            note_miss(self._stats, self.kind, agent_id, BACKEND_ERROR, repr(exc))
+        except Exception as exc:  # never let a read take the worker down: prefill instead
+            note_miss(self._stats, self.kind, agent_id, UNEXPECTED, repr(exc))
+            log.exception("%s: unexpected error reading agent %r", self.kind, agent_id)
+        return None
+
+    # --- cross-agent warm start ----------------------------------------------------------------
+    def _warm_start(self, agent_id: str, prompt_tokens: Sequence[int], have: int) -> AgentCache | None:
+        """The longest run of full blocks of this prompt that any agent of the namespace stored,
+        if it covers more than the `have` tokens the agent's own cache gives; else None."""
+        if not self.spec.all_full_attention:
+            return None  # windows and checkpoints make a resume point more than a token prefix
+        block_tokens = self.spec.block_tokens
+        prompt = np.asarray(prompt_tokens, dtype=np.int64)
+        n_full = len(prompt) // block_tokens
+        if n_full * block_tokens <= have:
+            return None
+        tokens = prompt[: n_full * block_tokens]
+        layouts = [""] * n_full  # every full block of a plain model holds all its layers' tokens
+        try:
+            chains = chain_keys(self.spec, self.quantization, self.group_size, tokens.tolist(), layouts)
+            found = self._find_shared(share_keys(chains, self.namespace, self.part_bytes))
+            if len(found) * block_tokens <= have:
+                return None
+            refs = tuple(
+                BlockRef(name, chain, block_tokens, nbytes, crc)
+                for (name, nbytes, crc), chain in zip(found, chains, strict=False)
+            )
+            covered = len(refs) * block_tokens
+            manifest = Manifest(
+                agent_id=agent_id,
+                spec=self.spec,
+                quantization=self.quantization,
+                group_size=self.group_size,
+                token_ids=tokens[:covered],
+                blocks=refs,
+                generation="",
+                created=0.0,
+                part_bytes=self.part_bytes,
+            )
+            fetched = self._fetch_shared(manifest)
+            if any(f is None for f in fetched):
+                return None  # collected while we read: prefill instead
+            present = [f for f in fetched if f is not None]
+            blocks = [decode_block(b, r, manifest, crc=c) for (b, c), r in zip(present, refs, strict=True)]
+        except BadCacheError as exc:
+            log.warning("%s: a shared block for agent %r is unusable: %s", self.kind, agent_id, exc)
             return None
         except self._io_errors() as exc:
-            record_miss(self._stats, self.kind, agent_id, BACKEND_ERROR, repr(exc))
+            log.warning("%s: could not read shared blocks for agent %r: %r", self.kind, agent_id, exc)
             return None
-        except Exception as exc:  # never let a read take the worker down: prefill instead
-            record_miss(self._stats, self.kind, agent_id, UNEXPECTED, repr(exc))
-            log.exception("%s: unexpected error reading agent %r", self.kind, agent_id)
-            return None
-        self._stats.add("hits")
-        return cache
+        self._stats.add("bytes_read", sum(ref.nbytes for ref in refs))
+        log.debug("%s: agent %r warm-starts from %d shared tokens", self.kind, agent_id, covered)
+        return AgentCache(self.spec, tokens[:covered].tolist(), blocks)
+
+    @abstractmethod
+    def _find_shared(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int]]:
+        """(name, nbytes, crc32) of a stored version of each share key, in order, up to the first
+        key with none (the longest run from the start)."""
+
+    @abstractmethod
+    def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
+        """Like _fetch_blocks, for the shared blocks `manifest` lists (read where all agents find them)."""
 
     def record_miss(self, agent_id: str, reason: str, detail: str) -> None:
         """Count and log a miss found by a layer in front of this backend (the hot tier)."""
@@ -300,14 +388,18 @@ class BlockBackend(ABC):
             self.part_bytes,
         ):
             reusable = {(ref.chain, ref.n_tokens): ref for ref in previous.blocks}
+        shares = share_keys(chains, self.namespace, self.part_bytes)
         slots: list[BlockRef | NewBlock] = []
-        for block, chain in zip(cache.blocks, chains, strict=True):
+        for block, chain, share, layout in zip(cache.blocks, chains, shares, layouts, strict=True):
             kept = reusable.get((chain, block.n_tokens))
             if kept is not None:
                 slots.append(kept)
                 continue
             encoded = encode_block(block, self.spec, self.quantization, self.group_size)
-            slots.append(NewBlock(block_name(chain, generation), chain, block.n_tokens, encoded))
+            # Full blocks holding every layer's tokens are stored once per namespace, the rest per agent.
+            shareable = block.n_tokens == self.spec.block_tokens and layout == ""
+            name = block_name(chain, generation)
+            slots.append(NewBlock(name, chain, block.n_tokens, encoded, share if shareable else None))
         draft = Manifest(
             agent_id=agent_id,
             spec=self.spec,
@@ -322,11 +414,16 @@ class BlockBackend(ABC):
         )
         return WritePlan(draft, slots)
 
-    def _count_put(self, plan: WritePlan, manifest_bytes: int) -> None:
+    def _count_put(self, plan: WritePlan, manifest_bytes: int, linked: Sequence[NewBlock] = ()) -> None:
+        """Count a put; `linked`: new blocks not written because another agent had stored the same bytes."""
+        saved = sum(b.encoded.nbytes for b in linked)
         self._stats.add("puts")
-        self._stats.add("blocks_written", len(plan.new_blocks))
+        self._stats.add("blocks_written", len(plan.new_blocks) - len(linked))
         self._stats.add("blocks_reused", plan.reused)
-        self._stats.add("bytes_written", manifest_bytes + sum(b.encoded.nbytes for b in plan.new_blocks))
+        self._stats.add("blocks_linked", len(linked))
+        written = sum(b.encoded.nbytes for b in plan.new_blocks) - saved
+        self._stats.add("bytes_written", manifest_bytes + written)
+        self._stats.add("bytes_saved", saved)
 
     # --- budgets -------------------------------------------------------------------------------
     @abstractmethod

@@ -89,14 +89,24 @@ BACKEND_COUNTERS = (
     "evicted_bytes",
     "put_retries",
     "stale_puts",
+    "blocks_linked",
+    "bytes_saved",
+    "cross_agent_hits",
+    "shared_collected",
     "expired",
     "discarded",
 )
 
 
 def record_miss(stats: Stats, name: str, agent_id: str, reason: str, detail: str) -> None:
-    """Count a miss and log it: a missing cache quietly, anything else as a warning."""
+    """Count a get that returned nothing (`misses`) and why (`miss_<reason>`), and log it."""
     stats.add("misses")
+    note_miss(stats, name, agent_id, reason, detail)
+
+
+def note_miss(stats: Stats, name: str, agent_id: str, reason: str, detail: str) -> None:
+    """Count and log why an agent's own cache could not be used: a missing one quietly, anything
+    else as a warning. (The get may still return a cache: a cross-agent warm start.)"""
     stats.add(f"miss_{reason}")
     if reason in (ABSENT, NO_COMMON_PREFIX):
         log.debug("%s: cache miss for agent %r: %s (%s)", name, agent_id, reason, detail)

@@ -25,15 +25,15 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
 from engine.blocks import AgentCache
 from engine.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
-from store.backend import Blob, BlockBackend, NewBlock, Usage, check_fence
-from store.base import CacheInfo
+from store.backend import DEFAULT_NAMESPACE, Blob, BlockBackend, NewBlock, Usage, check_fence
+from store.base import CacheInfo, log
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import map_parallel, submit
@@ -42,6 +42,8 @@ from store.manifest import (
     Manifest,
     decode_manifest,
     encode_manifest,
+    parse_shared_name,
+    shared_name,
     stored_fence,
     summarize_manifest,
 )
@@ -66,8 +68,11 @@ class DiskStore(BlockBackend):
         max_bytes: int | None = None,
         ttl_s: float | None = None,
         fsync: bool = True,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
-        super().__init__(spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes)
+        super().__init__(
+            spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes, namespace=namespace
+        )
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.ttl_s = ttl_s
@@ -75,6 +80,7 @@ class DiskStore(BlockBackend):
         self.fsync = fsync
         self._agents = self.root / "agents"
         self._locks = self.root / "locks"
+        self._shared = self.root / "shared"
         self._open_root()
 
     def _open_root(self) -> None:
@@ -93,6 +99,7 @@ class DiskStore(BlockBackend):
             _write_atomic(marker, [json.dumps(_MARKER_CONTENT).encode()], fsync=self.fsync)
         self._agents.mkdir(exist_ok=True)
         self._locks.mkdir(exist_ok=True)
+        self._shared.mkdir(exist_ok=True)
 
     # --- paths ---------------------------------------------------------------------------------
     def _dir(self, key: str) -> Path:
@@ -100,6 +107,14 @@ class DiskStore(BlockBackend):
 
     def _agent_dir(self, agent_id: str) -> Path:
         return self._dir(agent_key(agent_id))
+
+    def _shared_path(self, name: str) -> Path | None:
+        """Where the shared index keeps a shared block's version (None for an agent's own block)."""
+        parsed = parse_shared_name(name)
+        if parsed is None:
+            return None
+        share, crc = parsed
+        return self._shared / share[:2] / share / f"{crc:08x}{_SUFFIX}"
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[None]:
@@ -139,17 +154,27 @@ class DiskStore(BlockBackend):
     def _fetch_blocks(
         self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
     ) -> list[tuple[Blob, int] | None]:
-        """Read and checksum blocks on the helper threads: one block's CRC overlaps the next read."""
         blocks = self._agent_dir(agent_id) / "blocks"
+        return _read_all([blocks / f"{ref.name}{_SUFFIX}" for ref in refs])
 
-        def fetch(ref: BlockRef) -> tuple[Blob, int] | None:
+    def _fetch_shared(self, manifest: Manifest) -> list[tuple[Blob, int] | None]:
+        paths = [self._shared_path(ref.name) for ref in manifest.blocks]
+        return _read_all([path for path in paths if path is not None])
+
+    def _find_shared(self, shares: Sequence[str]) -> list[tuple[str, int, int]]:
+        found = []
+        for share in shares:
+            directory = self._shared / share[:2] / share
             try:
-                blob = _read_file(blocks / f"{ref.name}{_SUFFIX}")
+                versions = sorted(name for name in os.listdir(directory) if _is_version(name))
+                size = (directory / versions[0]).stat().st_size if versions else 0
             except FileNotFoundError:
-                return None
-            return blob, crc32(blob)
-
-        return map_parallel(fetch, refs)
+                break  # never stored, or collected a moment ago
+            if not versions:
+                break
+            crc = int(versions[0].removesuffix(_SUFFIX), 16)
+            found.append((shared_name(share, crc), size, crc))
+        return found
 
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -170,12 +195,12 @@ class DiskStore(BlockBackend):
             _make_dirs(blocks_dir, fsync=self.fsync)
             previous = self._previous(agent_id, current, blocks_dir)
             plan = self.plan_write(agent_id, cache, previous, fence=new_fence)
-            self._write_blocks(blocks_dir, plan.new_blocks)
+            linked = self._write_blocks(blocks_dir, plan.new_blocks)
             manifest = plan.manifest()
             manifest_blob = encode_manifest(manifest)
             _write_atomic(directory / MANIFEST, [manifest_blob], fsync=self.fsync)
             self._collect_garbage(directory, blocks_dir, manifest)
-        self._count_put(plan, len(manifest_blob))
+        self._count_put(plan, len(manifest_blob), linked)
         self._after_put(key, manifest.block_bytes + len(manifest_blob))
         return True
 
@@ -200,16 +225,20 @@ class DiskStore(BlockBackend):
                 return None
         return previous
 
-    def _write_blocks(self, blocks_dir: Path, blocks: list[NewBlock]) -> None:
-        """Write every new block to a temp file, sync them, then rename them into place.
+    def _write_blocks(self, blocks_dir: Path, blocks: list[NewBlock]) -> list[NewBlock]:
+        """Link the shared blocks some agent already stored, write the rest; returns those linked.
 
-        Each block's fdatasync starts on a helper thread as soon as it is written, so the
-        disk flushes one block while the next is being written.
+        Written blocks go to a temp file each and are synced (each block's fdatasync starts on a
+        helper thread as soon as it is written, so the disk flushes one block while the next is
+        written), then renamed into place; new shared blocks are then published to the index.
         """
+        linked = [block for block in blocks if self._link_shared(blocks_dir, block)]
+        linked_ids = {id(block) for block in linked}
+        to_write = [block for block in blocks if id(block) not in linked_ids]
         pending: list[tuple[int, Path, Path]] = []
         syncs: list[Future[None]] = []
         try:
-            for block in blocks:
+            for block in to_write:
                 tmp = blocks_dir / _temp_name()
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 pending.append((fd, tmp, blocks_dir / f"{block.name}{_SUFFIX}"))
@@ -223,7 +252,7 @@ class DiskStore(BlockBackend):
                 os.replace(tmp, final)
             pending = []
             if self.fsync and blocks:
-                _fsync_dir(blocks_dir)
+                _fsync_dir(blocks_dir)  # the renames and links: the manifest may now name them
         finally:
             for sync in syncs:
                 with contextlib.suppress(OSError):
@@ -233,6 +262,83 @@ class DiskStore(BlockBackend):
                     os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+        for block in to_write:
+            if block.share is not None:
+                self._publish(blocks_dir, block)
+        return linked
+
+    def _link_shared(self, blocks_dir: Path, block: NewBlock) -> bool:
+        """Hard-link the stored version of a shared block with these exact bytes into the agent's
+        directory (the link count is the reference count); False when there is none to link."""
+        source = self._shared_path(block.name) if block.share is not None else None
+        if source is None:
+            return False
+        tmp = blocks_dir / _temp_name()
+        try:
+            os.link(source, tmp)
+        except FileNotFoundError:
+            return False  # not stored yet, or collected a moment ago
+        except OSError as exc:
+            log.debug("disk: cannot hard-link shared blocks here (%r): writing them per agent", exc)
+            return False
+        if tmp.stat().st_size != block.encoded.nbytes:
+            os.unlink(tmp)
+            return False
+        os.replace(tmp, blocks_dir / f"{block.name}{_SUFFIX}")
+        return True
+
+    def _publish(self, blocks_dir: Path, block: NewBlock) -> None:
+        """Offer a new shared block to other agents: a hard link in the shared index. Best effort and
+        not fsynced: losing the link (a crash, a concurrent collection) only loses the saving."""
+        target = self._shared_path(block.name)
+        if target is None:
+            return
+        for _attempt in range(3):
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(blocks_dir / f"{block.name}{_SUFFIX}", target)
+                return
+            except FileExistsError:
+                return  # another agent stored the same bytes first
+            except FileNotFoundError:
+                continue  # its directory was collected between mkdir and link: again
+            except OSError as exc:
+                log.debug("disk: could not publish shared block %s: %r", block.name, exc)
+                return
+
+    def _release_shared(self, names: Iterable[str]) -> None:
+        """Collect the shared versions of these blocks that no agent links any more (link count 1).
+
+        A writer linking one at the same moment keeps its own link, so the race can only lose
+        the index entry (a saving), never a block an agent uses.
+        """
+        for name in names:
+            path = self._shared_path(name)
+            if path is None:
+                continue
+            try:
+                if os.stat(path).st_nlink > 1:
+                    continue
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            self._stats.add("shared_collected")
+            with contextlib.suppress(OSError):
+                os.rmdir(path.parent)  # fails while another version is there
+
+    def collect_shared_garbage(self) -> int:
+        """Collect every shared version no agent links (left by writers that crashed after
+        publishing); the budget scan runs it. Returns how many were removed."""
+        before = self._stats.snapshot().get("shared_collected", 0)
+        for shard in _scandir(self._shared):
+            for share in _scandir(Path(shard.path)):
+                names = [
+                    shared_name(share.name, int(e.name.removesuffix(_SUFFIX), 16))
+                    for e in os.scandir(share.path)
+                    if _is_version(e.name) and len(share.name) == 32
+                ]
+                self._release_shared(names)
+        return self._stats.snapshot().get("shared_collected", 0) - before
 
     def _collect_garbage(self, directory: Path, blocks_dir: Path, manifest: Manifest) -> None:
         """Remove block files and crashed writers' temp files the manifest does not reference.
@@ -245,6 +351,7 @@ class DiskStore(BlockBackend):
         for path in garbage:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        self._release_shared(os.path.basename(path).removesuffix(_SUFFIX) for path in garbage)
 
     # --- delete, list, info, budgets -----------------------------------------------------------
     def delete(self, agent_id: str) -> bool:
@@ -273,7 +380,12 @@ class DiskStore(BlockBackend):
             existed = True
         except FileNotFoundError:
             existed = False
+        try:
+            held = [e.name.removesuffix(_SUFFIX) for e in os.scandir(directory / "blocks")]
+        except FileNotFoundError:
+            held = []
         shutil.rmtree(directory, ignore_errors=True)
+        self._release_shared(held)
         return existed
 
     def _manifests(self) -> Iterator[tuple[str, Path]]:
@@ -335,7 +447,26 @@ class DiskStore(BlockBackend):
 
 def _ours(name: str) -> bool:
     """Names a store (or another process creating it right now) puts in its root."""
-    return name in ("agents", "locks", MARKER) or name.startswith(".tmp-")
+    return name in ("agents", "locks", "shared", MARKER) or name.startswith(".tmp-")
+
+
+def _is_version(name: str) -> bool:
+    """A file of the shared index: `<crc32 as 8 hex digits>.safetensors`."""
+    stem = name.removesuffix(_SUFFIX)
+    return name.endswith(_SUFFIX) and len(stem) == 8 and all(c in "0123456789abcdef" for c in stem)
+
+
+def _read_all(paths: Sequence[Path]) -> list[tuple[Blob, int] | None]:
+    """Read and checksum files on the helper threads: one file's CRC overlaps the next read."""
+
+    def fetch(path: Path) -> tuple[Blob, int] | None:
+        try:
+            blob = _read_file(path)
+        except FileNotFoundError:
+            return None
+        return blob, crc32(blob)
+
+    return map_parallel(fetch, paths)
 
 
 def _scandir(path: Path) -> list[os.DirEntry[str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from engine.spec import ModelCacheSpec
-from store.backend import BlockBackend
+from store.backend import DEFAULT_NAMESPACE, BlockBackend
 from store.disk import DiskStore
 from store.hot import HotTierStore
 from store.quant import Quantization
@@ -25,6 +25,7 @@ def open_backend(
     group_size: int = 64,
     ttl_s: int | None = None,
     prefix: str = DEFAULT_PREFIX,
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> BlockBackend:
     """The backend named by `uri`, without a hot tier: `disk:PATH`, `redis`, `redis://...`."""
     if uri.startswith("disk:"):
@@ -32,7 +33,13 @@ def open_backend(
         if not path:
             raise ValueError("disk store URI needs a path: disk:PATH")
         return DiskStore(
-            path, spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes, ttl_s=ttl_s
+            path,
+            spec,
+            quantization=quantization,
+            group_size=group_size,
+            max_bytes=max_bytes,
+            ttl_s=ttl_s,
+            namespace=namespace,
         )
     if uri == "redis":
         uri = DEFAULT_REDIS_URL
@@ -45,6 +52,7 @@ def open_backend(
             max_bytes=max_bytes,
             ttl_s=ttl_s,
             prefix=prefix,
+            namespace=namespace,
         )
     shown = re.sub(r"//.*@", "//***@", uri)  # a mistyped Redis URL may hold a password: never echo it
     raise ValueError(f"unknown store URI {shown!r}: use disk:PATH, redis or redis://HOST:PORT/DB")
@@ -61,13 +69,16 @@ def open_store(
     ttl_s: int | None = None,
     prefix: str = DEFAULT_PREFIX,
     write_behind: bool = True,
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> HotTierStore:
     """The store for `uri` behind a hot tier of `hot_tier_bytes` (0 keeps nothing in memory).
 
     `max_bytes` bounds the backend (least recently used agents are evicted first);
     `quantization` ("none", "q8", "q4", MLX affine with `group_size`) applies at rest;
     `ttl_s` expires an agent's cache that long after its last use; `prefix` namespaces
-    Redis keys. Call `close()` on shutdown: it flushes the writes still pending.
+    Redis keys; `namespace` is the tenant: full blocks are stored once per namespace and an
+    agent can warm-start from another agent's prefix only within it. Call `close()` on
+    shutdown: it flushes the writes still pending.
     """
     backend = open_backend(
         uri,
@@ -77,5 +88,6 @@ def open_store(
         group_size=group_size,
         ttl_s=ttl_s,
         prefix=prefix,
+        namespace=namespace,
     )
     return HotTierStore(backend, hot_tier_bytes, write_behind=write_behind)

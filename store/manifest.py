@@ -32,8 +32,11 @@ FORMAT_NAME = "kvrq-agent-cache"
 # windows, per-layer shapes, SSM state) and such models' blocks follow store/layered_codec.py; a plain
 # full-attention model's spec, fingerprint and blocks did not change, so its version-1 and -2 caches still
 # read, and an older reader takes a version-3 cache for a miss (format_version) and leaves it alone.
-FORMAT_VERSION_NUMBER = 3
-READABLE_VERSIONS = ("1", "2", "3")
+# Version 4: full blocks are shared by the agents of a namespace (names `<share>.<crc32>`, stored where
+# every agent finds them: Redis `<prefix>s:<name>`, disk `shared/` plus a hard link per agent); a
+# version-3 reader would look for them under the agent and delete the cache as damaged.
+FORMAT_VERSION_NUMBER = 4
+READABLE_VERSIONS = ("1", "2", "3", "4")
 BLOCK_FORMAT_VERSION = 1
 
 
@@ -106,7 +109,35 @@ def chain_keys(
 
 
 def block_name(chain: str, generation: str) -> str:
+    """An agent's own block: `{chain[:24]}.{generation[:12]}`, rewritten under a new name by every put."""
     return f"{chain[:24]}.{generation[:12]}"
+
+
+def share_keys(chains: Sequence[str], namespace: str, part_bytes: int) -> list[str]:
+    """Content keys of full blocks, shared by every agent of `namespace` with the same tokens so far.
+
+    `chains` already cover the spec, quantization and every token up to each block's end;
+    `part_bytes` is in the key because it fixes how a block is laid out in storage.
+    """
+    salt = hashlib.sha256(f"{namespace}|{part_bytes}|".encode()).hexdigest()
+    return [hashlib.sha256(f"{salt}|{chain}".encode()).hexdigest()[:32] for chain in chains]
+
+
+def shared_name(share: str, crc32: int) -> str:
+    """A shared block's name: its content key and the CRC-32 of its bytes (one name per version)."""
+    return f"{share}.{crc32:08x}"
+
+
+def parse_shared_name(name: str) -> tuple[str, int] | None:
+    """(share key, CRC-32) of a shared block's name; None for an agent's own block."""
+    share, dot, crc = name.partition(".")
+    if dot and len(share) == 32 and len(crc) == 8 and _hex(share) and _hex(crc):
+        return share, int(crc, 16)
+    return None
+
+
+def _hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def encode_manifest(manifest: Manifest) -> bytes:

@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 import redis
-from redis.exceptions import DataError, RedisError, WatchError
+from redis.exceptions import DataError, RedisError, ResponseError, WatchError
 
 from engine.blocks import AgentCache
 from engine.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
-from store.backend import Blob, BlockBackend, Usage, WritePlan, check_fence
-from store.base import CacheInfo
+from store.backend import DEFAULT_NAMESPACE, Blob, BlockBackend, NewBlock, Usage, WritePlan, check_fence
+from store.base import CacheInfo, log
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import submit
@@ -46,7 +46,9 @@ from store.manifest import (
     Manifest,
     decode_manifest,
     encode_manifest,
+    parse_shared_name,
     part_sizes,
+    shared_name,
     stored_fence,
     summarize_manifest,
 )
@@ -61,6 +63,14 @@ _PIPELINE_BYTES = 64 * 1024 * 1024  # flush a block-writing pipeline every ~64 M
 # Blocks are stored as values of at most 4 MB: a large value holds Redis's single thread (and every other
 # client) for its whole copy, and replication and client buffers handle many moderate values better.
 MAX_VALUE_BYTES = 4_000_000
+# KEYS: a shared block's reference set, its share key's pointer, its values; ARGV[1]: the pointer value
+# naming this version. Deletes the block only if no agent references it (atomically).
+_COLLECT_SHARED = """
+if redis.call('SCARD', KEYS[1]) > 0 then return 0 end
+for i = 3, #KEYS do redis.call('UNLINK', KEYS[i]) end
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
 
 
 class RedisStore(BlockBackend):
@@ -77,8 +87,11 @@ class RedisStore(BlockBackend):
         ttl_s: int | None = None,
         prefix: str = DEFAULT_PREFIX,
         value_bytes: int = MAX_VALUE_BYTES,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
-        super().__init__(spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes)
+        super().__init__(
+            spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes, namespace=namespace
+        )
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if value_bytes < 1024:
@@ -103,6 +116,8 @@ class RedisStore(BlockBackend):
             self._owns_client = False
         self._index = f"{prefix}index"
         self._sizes = f"{prefix}sizes"
+        self._collect_script = self._client.register_script(_COLLECT_SHARED)
+        self._scripting = True
 
     # --- keys ----------------------------------------------------------------------------------
     def _mkey(self, agent_id: str) -> str:
@@ -112,13 +127,22 @@ class RedisStore(BlockBackend):
         return f"{self.prefix}{agent_key(agent_id)}:b:{name}"
 
     def _part_keys(self, agent_id: str, name: str, nbytes: int, part_bytes: int) -> builtins.list[str]:
-        """The keys of a block's values: `...:b:<name>`, then `...:b:<name>:1`, `:2`... for the rest."""
-        base = self._bkey(agent_id, name)
+        """The keys of a block's values: `...:b:<name>` (`<prefix>s:<name>` for a shared block),
+        then `:1`, `:2`... appended for the rest."""
+        base = f"{self.prefix}s:{name}" if parse_shared_name(name) else self._bkey(agent_id, name)
         count = len(part_sizes(nbytes, part_bytes))
         return [base, *(f"{base}:{index}" for index in range(1, count))]
 
     def _ref_keys(self, agent_id: str, refs: Sequence[BlockRef], part_bytes: int) -> builtins.list[str]:
         return [key for ref in refs for key in self._part_keys(agent_id, ref.name, ref.nbytes, part_bytes)]
+
+    def _refs_key(self, name: str) -> str:
+        """Set of the agents whose manifest uses this shared block (its reference count)."""
+        return f"{self.prefix}s:{name}:refs"
+
+    def _pointer_key(self, share: str) -> str:
+        """`<crc32>:<nbytes>` of a stored version of a share key: how other agents find it."""
+        return f"{self.prefix}s:{share}"
 
     def _backend_errors(self) -> tuple[type[Exception], ...]:
         return (RedisError,)
@@ -204,6 +228,11 @@ class RedisStore(BlockBackend):
             pipe.expire(self._mkey(agent_id), self.ttl_s)
             for key in self._ref_keys(agent_id, manifest.blocks, manifest.part_bytes):
                 pipe.expire(key, self.ttl_s)
+            for ref in manifest.blocks:  # a shared block lives ttl_s past its last use by any agent
+                parsed = parse_shared_name(ref.name)
+                if parsed is not None:
+                    pipe.expire(self._refs_key(ref.name), self.ttl_s)
+                    pipe.expire(self._pointer_key(parsed[0]), self.ttl_s)
         pipe.execute()
 
     # --- writes --------------------------------------------------------------------------------
@@ -213,6 +242,7 @@ class RedisStore(BlockBackend):
         cache.validate(self.spec)
         mkey = self._mkey(agent_id)
         plan: WritePlan | None = None
+        linked: builtins.list[NewBlock] = []
         for attempt in range(_PUT_ATTEMPTS):
             if attempt:
                 self._stats.add("put_retries")
@@ -231,35 +261,61 @@ class RedisStore(BlockBackend):
                     if plan is not None:
                         self._discard(agent_id, plan)
                     plan = self.plan_write(agent_id, cache, self._reusable(tx, agent_id, current))
-                    self._write_blocks(agent_id, plan)  # removes what it wrote if it fails
+                    linked = self._write_blocks(agent_id, plan)  # removes what it wrote if it fails
                 manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
+                if not self._watch_shared(tx, agent_id, manifest):
+                    self._discard(agent_id, plan)
+                    plan = None  # a shared block it links was collected meanwhile: plan again
+                    continue
                 manifest_blob = encode_manifest(manifest)
                 try:
-                    self._commit(
-                        tx, agent_id, plan, manifest, manifest_blob, self._keys_in(agent_id, current)
-                    )
+                    released = self._commit(tx, agent_id, plan, manifest, manifest_blob, current)
                 except WatchError:
                     continue
-            self._count_put(plan, len(manifest_blob))
+            self._collect_shared(released)
+            self._count_put(plan, len(manifest_blob), linked)
             self._after_put(agent_id, manifest.block_bytes + len(manifest_blob))
             return True
         if plan is not None:
             self._discard(agent_id, plan)
         raise StoreError(f"put of agent {agent_id!r} lost {_PUT_ATTEMPTS} races with other writers")
 
-    def _keys_in(self, agent_id: str, blob: Blob | None) -> builtins.list[str]:
-        """The block keys a manifest uses (whatever spec wrote it), [] if unreadable."""
+    def _stored_blocks(
+        self, agent_id: str, blob: Blob | None
+    ) -> tuple[builtins.list[str], builtins.list[BlockRef], int]:
+        """What a manifest (whatever spec wrote it) uses: the keys of the agent's own blocks, its
+        shared blocks and their part size; nothing if it is unreadable."""
         if blob is None:
-            return []
+            return [], [], 0
         try:
             summary = summarize_manifest(blob)
         except BadCacheError:
-            return []
-        return [
+            return [], [], 0
+        own = [
             key
             for name, nbytes in summary.blocks
+            if parse_shared_name(name) is None
             for key in self._part_keys(agent_id, name, nbytes, summary.part_bytes)
         ]
+        shared = [
+            BlockRef(name, "", 0, nbytes, parsed[1])
+            for name, nbytes in summary.blocks
+            if (parsed := parse_shared_name(name)) is not None
+        ]
+        return own, shared, summary.part_bytes
+
+    def _watch_shared(self, tx: Any, agent_id: str, manifest: Manifest) -> bool:
+        """WATCH the values of the shared blocks the manifest uses and check they all exist.
+
+        Other agents' commits may collect a shared block without touching our manifest; watched,
+        it cannot go between this check and our EXEC without aborting it.
+        """
+        shared = [ref for ref in manifest.blocks if parse_shared_name(ref.name)]
+        if not shared:
+            return True
+        keys = self._ref_keys(agent_id, shared, manifest.part_bytes)
+        tx.watch(*keys)
+        return bool(tx.exists(*keys) == len(keys))
 
     def _reusable(self, tx: Any, agent_id: str, blob: Blob | None) -> Manifest | None:
         """The current manifest if it is ours to build on and all its blocks are still there."""
@@ -283,26 +339,36 @@ class RedisStore(BlockBackend):
         """What redis-py is handed as a value (a ScatterValue only reaches our own packer)."""
         return ScatterValue(parts) if self._scatter else b"".join(parts)
 
-    def _write_blocks(self, agent_id: str, plan: WritePlan) -> None:
-        """SET the new blocks on their provisional expiry; on failure (Redis full, connection lost)
-        remove what was written, best effort: the provisional expiry covers the rest."""
+    def _write_blocks(self, agent_id: str, plan: WritePlan) -> builtins.list[NewBlock]:
+        """SET the new blocks on their provisional expiry; returns the shared ones already stored.
+
+        A shared block's values are SET only where absent (NX): a stored version of the same
+        bytes is never overwritten or given an expiry again. On failure (Redis full, connection
+        lost) remove what was written, best effort: the provisional expiry covers the rest.
+        """
+        owners: builtins.list[NewBlock | None] = []  # the block of each SET reply; None: not shared
+        replies: builtins.list[Any] = []
         try:
             pipe = self._client.pipeline(transaction=False)
             queued = 0
             for block in plan.new_blocks:
                 keys = self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
                 values = split_parts(block.encoded.parts(), self.part_bytes)
+                shared = block.share is not None
                 for key, value in zip(keys, values, strict=True):
-                    pipe.set(key, self._value(value), px=PENDING_TTL_MS)
+                    pipe.set(key, self._value(value), px=PENDING_TTL_MS, nx=shared)
+                    owners.append(block if shared else None)
                 queued += block.encoded.nbytes
                 if queued >= _PIPELINE_BYTES:
-                    pipe.execute()
+                    replies += pipe.execute()
                     queued = 0
-            pipe.execute()
+            replies += pipe.execute()
         except RedisError:
             with contextlib.suppress(RedisError):
                 self._discard(agent_id, plan)
             raise
+        written = {id(block) for block, reply in zip(owners, replies, strict=True) if block and reply}
+        return [b for b in plan.new_blocks if b.share is not None and id(b) not in written]
 
     def _commit(
         self,
@@ -311,33 +377,125 @@ class RedisStore(BlockBackend):
         plan: WritePlan,
         manifest: Manifest,
         manifest_blob: bytes,
-        old: Sequence[str],
-    ) -> None:
-        """One MULTI/EXEC: swap the manifest, settle block expiries, drop replaced blocks, index."""
-        new_keys = set(self._ref_keys(agent_id, manifest.blocks, manifest.part_bytes))
+        current: Blob | None,
+    ) -> builtins.list[tuple[BlockRef, int]]:
+        """One MULTI/EXEC: swap the manifest, settle block expiries, take references on its shared
+        blocks and drop those of the replaced manifest, delete the agent's replaced blocks, index.
+        Returns the shared blocks it stopped using (with their part size), to collect if unused."""
+        old_own, old_shared, old_part_bytes = self._stored_blocks(agent_id, current)
+        own = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is None]
+        shared = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is not None]
+        own_keys = self._ref_keys(agent_id, own, manifest.part_bytes)
         written = set(self._ref_keys(agent_id, [block.ref() for block in plan.new_blocks], self.part_bytes))
         tx.multi()
         tx.set(self._mkey(agent_id), manifest_blob, ex=self.ttl_s)
-        for key in self._ref_keys(agent_id, manifest.blocks, manifest.part_bytes):
+        for key in own_keys:
             if self.ttl_s is not None:
                 tx.expire(key, self.ttl_s)
             elif key in written:
                 tx.persist(key)
-        stale = [key for key in old if key not in new_keys]
+        for ref in shared:
+            for key in self._part_keys(agent_id, ref.name, ref.nbytes, manifest.part_bytes):
+                if self.ttl_s is not None:
+                    tx.expire(key, self.ttl_s)
+                else:
+                    tx.persist(key)  # ours or another writer's provisional value: adopted now
+            tx.sadd(self._refs_key(ref.name), agent_id)
+            share = ref.name.partition(".")[0]
+            tx.set(self._pointer_key(share), f"{ref.crc32:08x}:{ref.nbytes}", nx=True, ex=self.ttl_s)
+            if self.ttl_s is not None:
+                tx.expire(self._refs_key(ref.name), self.ttl_s)
+        stale = [key for key in old_own if key not in set(own_keys)]
         if stale:
             tx.unlink(*stale)
+        names = {ref.name for ref in shared}
+        released = [(ref, old_part_bytes) for ref in old_shared if ref.name not in names]
+        for ref, _part_bytes in released:
+            tx.srem(self._refs_key(ref.name), agent_id)
         tx.zadd(self._index, {agent_id: time.time()})
         tx.hset(self._sizes, agent_id, manifest.block_bytes + len(manifest_blob))
         tx.execute()
+        return released
+
+    def _collect_shared(self, released: Sequence[tuple[BlockRef, int]]) -> None:
+        """Delete the shared blocks no agent references any more (and their pointer if it names them).
+
+        Each check-and-delete is atomic (a Lua script; WATCH/MULTI where the server runs no scripts,
+        as fakeredis): an agent adopting the block at the same moment either commits first (the
+        block stays) or finds it gone under its own WATCH and writes it again. A script also works
+        when Redis is out of memory, where MULTI refuses to queue even a delete.
+        """
+        for ref, part_bytes in released:
+            parsed = parse_shared_name(ref.name)
+            if parsed is None:
+                continue
+            keys = [
+                self._refs_key(ref.name),
+                self._pointer_key(parsed[0]),
+                *self._part_keys("", ref.name, ref.nbytes, part_bytes),
+            ]
+            pointer = f"{ref.crc32:08x}:{ref.nbytes}"
+            try:
+                collected = self._collect_one(keys, pointer)
+            except RedisError as exc:
+                log.warning("redis: could not collect shared block %s: %r", ref.name, exc)
+                continue
+            if collected:
+                self._stats.add("shared_collected")
+
+    def _collect_one(self, keys: builtins.list[str], pointer: str) -> bool:
+        if self._scripting:
+            try:
+                return bool(self._collect_script(keys=keys, args=[pointer]))
+            except ResponseError as exc:
+                if "unknown command" not in str(exc).lower():
+                    raise
+                self._scripting = False  # a server without scripting (fakeredis without lupa)
+        refs_key, pointer_key, *values = keys
+        try:
+            with self._client.pipeline(transaction=True) as tx:
+                tx.watch(*keys)
+                if tx.scard(refs_key):
+                    return False
+                names_it = tx.get(pointer_key) == pointer.encode()
+                tx.multi()
+                tx.unlink(*values)
+                if names_it:
+                    tx.delete(pointer_key)
+                tx.execute()
+        except WatchError:
+            return False  # someone touched it meanwhile: it is in use again
+        return True
 
     def _discard(self, agent_id: str, plan: WritePlan) -> None:
+        """Delete the new blocks of a plan that will not be committed: the agent's own ones, and the
+        shared ones no agent references (a writer about to adopt one finds it gone and rewrites it)."""
         keys = [
             key
             for block in plan.new_blocks
+            if block.share is None
             for key in self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
         ]
         if keys:
             self._client.unlink(*keys)
+        self._collect_shared([(block.ref(), self.part_bytes) for block in plan.new_blocks if block.share])
+
+    # --- shared blocks of other agents ---------------------------------------------------------
+    def _find_shared(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int]]:
+        pipe = self._client.pipeline(transaction=False)
+        for share in shares:
+            pipe.get(self._pointer_key(share))
+        found = []
+        for share, value in zip(shares, pipe.execute(), strict=True):
+            try:
+                crc_hex, nbytes = bytes(value).decode().split(":")
+                found.append((shared_name(share, int(crc_hex, 16)), int(nbytes), int(crc_hex, 16)))
+            except (TypeError, ValueError):
+                break  # none stored (None), or not a pointer of ours
+        return found
+
+    def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
+        return self._fetch_blocks(manifest.agent_id, manifest, manifest.blocks)
 
     # --- delete, list, info, budgets -----------------------------------------------------------
     def delete(self, agent_id: str) -> bool:
@@ -358,16 +516,19 @@ class RedisStore(BlockBackend):
                 blob = _as_blob(tx.get(mkey))
                 if only_if is not None and (blob is None or bytes(blob) != only_if):
                     return False
-                keys = self._keys_in(handle, blob)
+                keys, shared, part_bytes = self._stored_blocks(handle, blob)
                 tx.multi()
                 tx.unlink(mkey, *keys)
+                for ref in shared:
+                    tx.srem(self._refs_key(ref.name), handle)
                 tx.zrem(self._index, handle)
                 tx.hdel(self._sizes, handle)
                 try:
                     tx.execute()
                 except WatchError:
                     continue
-            if blob is not None and not keys:
+            self._collect_shared([(ref, part_bytes) for ref in shared])
+            if blob is not None and not keys and not shared:
                 self._sweep(handle)  # damaged manifest: find the agent's permanent blocks by pattern
             return blob is not None
         raise StoreError(f"delete of agent {handle!r} lost {_PUT_ATTEMPTS} races with other writers")

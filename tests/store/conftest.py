@@ -74,6 +74,20 @@ def make_cache(spec: ModelCacheSpec, token_ids: list[int]) -> AgentCache:
     return AgentCache(spec, list(token_ids), blocks)
 
 
+def redis_value_keys(client: object, prefix: str, *, persistent_only: bool = False) -> set[str]:
+    """Every block value a RedisStore keeps under `prefix`: agents' own (`<key>:b:<name>[:i]`) and
+    shared ones (`s:<share>.<crc>[:i]`), not manifests, reference sets or pointers. With
+    `persistent_only`, only values without an expiry (committed, not provisional)."""
+    import re
+
+    shape = re.compile(re.escape(prefix) + r"([0-9a-f]{40}:b:[0-9a-f.]+|s:[0-9a-f]{32}\.[0-9a-f]{8})(:\d+)?")
+    keys = {k.decode() for k in client.scan_iter(match=f"{prefix}*")}  # type: ignore[attr-defined]
+    found = {k for k in keys if shape.fullmatch(k)}
+    if persistent_only:
+        found = {k for k in found if client.pttl(k) == -1}  # type: ignore[attr-defined]
+    return found
+
+
 def tokens(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 50_000, size=n)]
 

@@ -10,7 +10,7 @@ import pytest
 from engine.errors import CacheMismatchError
 from store.disk import DiskStore
 from store.redis_store import RedisStore
-from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
 
 Factory = Callable[..., DiskStore | RedisStore]
 
@@ -144,7 +144,7 @@ def test_no_garbage_is_left_behind(backend_factory: Factory) -> None:
 def _stored_block_count(store: DiskStore | RedisStore) -> int:
     if isinstance(store, DiskStore):
         return sum(1 for p in store.root.rglob("*") if p.is_file() and p.parent.name == "blocks")
-    return sum(1 for _ in store._client.scan_iter(match=f"{store.prefix}*:b:*"))
+    return len(redis_value_keys(store._client, store.prefix))
 
 
 def test_empty_cache_round_trips(backend_factory: Factory) -> None:

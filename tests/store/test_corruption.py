@@ -43,7 +43,10 @@ class Raw:
         if isinstance(self.store, DiskStore):
             blocks = self.store._agent_dir(self.agent_id) / "blocks"
             return [blocks / f"{ref.name}.safetensors" for ref in manifest.blocks]
-        return [self.store._bkey(self.agent_id, ref.name) for ref in manifest.blocks]
+        return [  # each tiny block is one value
+            self.store._part_keys(self.agent_id, ref.name, ref.nbytes, manifest.part_bytes)[0]
+            for ref in manifest.blocks
+        ]
 
     def read(self, location: Location) -> bytes:
         if isinstance(location, Path):

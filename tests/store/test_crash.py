@@ -26,7 +26,7 @@ from store.disk import DiskStore
 from store.factory import open_store
 from store.redis_store import RedisStore
 from tests.conftest import RedisServer
-from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
 from tests.store.crash_writer import AGENT, REDIS_PREFIX, crash_spec, crash_versions, open_crash_backend
 
 pytestmark = pytest.mark.integration
@@ -106,8 +106,8 @@ def _stray(kind: str, location: str, *, put_first: bool = True, pending_too: boo
         assert isinstance(backend, RedisStore)
         client = backend._client
         referenced = set(backend._ref_keys(AGENT, manifest.blocks, manifest.part_bytes))
-        keys = [k.decode() for k in client.scan_iter(match=f"{REDIS_PREFIX}*:b:*")]
-        return [k for k in keys if k not in referenced and (pending_too or client.pttl(k) == -1)]
+        keys = redis_value_keys(client, REDIS_PREFIX, persistent_only=not pending_too)
+        return sorted(keys - referenced)
     finally:
         backend.close()
 
@@ -224,8 +224,8 @@ def test_a_full_redis_fails_the_put_and_keeps_the_previous_cache(own_redis_serve
     manifest = fresh.read_manifest("a")
     assert manifest is not None
     referenced = set(fresh._ref_keys("a", manifest.blocks, manifest.part_bytes))
-    stray = [k for k in client.scan_iter(match="full:*:b:*") if k.decode() not in referenced]
-    assert stray == []  # the failed put removed the blocks it had written
+    stray = redis_value_keys(client, "full:", persistent_only=True) - referenced
+    assert stray == set()  # the failed put removed the blocks it had written
     other = make_cache(spec, tokens(50, seed=2))
     assert store.put("b", other).result(timeout=30) is True
     assert_same_cache(fresh.get("b"), other)

@@ -13,7 +13,7 @@ from store import redis_store
 from store.factory import open_store
 from store.redis_store import RedisStore
 from tests.conftest import RedisServer
-from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def test_values_open_with_the_safetensors_library(redis_url: str) -> None:
 
     assert st_load(value(store._mkey("a")))["token_ids"].tolist() == cache.token_ids
     for ref, block in zip(manifest.blocks, cache.blocks, strict=True):
-        tensors = st_load(value(store._bkey("a", ref.name)))
+        tensors = st_load(value(store._part_keys("a", ref.name, ref.nbytes, manifest.part_bytes)[0]))
         assert np.array_equal(tensors["L1.v"], block.values[1]) and tensors["L1.v"].dtype == np.float16
 
 
@@ -68,12 +68,13 @@ def test_committed_keys_are_permanent_and_uncommitted_ones_expire(redis_url: str
     store = RedisStore(redis_url, spec)
     store.put("a", make_cache(spec, tokens(40)))
     client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match="kvrq:cache:*:b:*")) + [store._mkey("a").encode()]
-    assert keys and all(client.ttl(k) == -1 for k in keys)
-    plan = store.plan_write("b", make_cache(spec, tokens(20)), None)
+    keys = [*redis_value_keys(client, "kvrq:cache:"), store._mkey("a")]
+    assert len(keys) == 4 and all(client.ttl(k) == -1 for k in keys)  # 2 shared + 1 own block
+    plan = store.plan_write("b", make_cache(spec, tokens(20, seed=1)), None)
     store._write_blocks("b", plan)  # a writer that dies before committing
     for block in plan.new_blocks:
-        assert 0 < client.pttl(store._bkey("b", block.name)) <= redis_store.PENDING_TTL_MS
+        key = store._part_keys("b", block.name, block.encoded.nbytes, store.part_bytes)[0]
+        assert 0 < client.pttl(key) <= redis_store.PENDING_TTL_MS
 
 
 def test_ttl_expires_agents_and_get_extends_it(redis_url: str) -> None:

@@ -19,7 +19,7 @@ from store.manifest import _metadata_checksum, encode_manifest
 from store.redis_store import MAX_VALUE_BYTES, RedisStore, split_parts
 from store.resp import get_into
 from store.stfile import encode, parse_header, view
-from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
 
 pytestmark = pytest.mark.integration
 VALUE_BYTES = 5_000
@@ -38,10 +38,10 @@ def store(request: pytest.FixtureRequest) -> RedisStore:
 def _values(store: RedisStore) -> dict[str, bytes]:
     client = store._client
     out = {}
-    for key in client.scan_iter(match=f"{store.prefix}*:b:*"):
+    for key in redis_value_keys(client, store.prefix):
         value = client.get(key)
         assert isinstance(value, bytes)
-        out[key.decode()] = value
+        out[key] = value
     return out
 
 
@@ -110,8 +110,9 @@ def test_a_damaged_value_is_a_counted_miss(store: RedisStore, how: str, reason: 
     _damage(store, how)
     assert store.get("a") is None
     assert store.stats()[f"miss_{reason}"] == 1
-    store.put("b", cache)
-    assert_same_cache(store.get("b"), cache)  # the connection is still in step with the server
+    other = make_cache(store.spec, tokens(40, seed=1))  # other tokens: shares no block with the damage
+    store.put("b", other)
+    assert_same_cache(store.get("b"), other)  # the connection is still in step with the server
 
 
 def _as_version_1(blob: bytes) -> bytes:
@@ -207,7 +208,7 @@ def test_manifest_records_the_value_size(redis_url: str) -> None:
     raw = store._client.get(store._mkey("a"))
     assert isinstance(raw, bytes)
     metadata, _entries, _start = parse_header(raw)
-    assert metadata["part_bytes"] == str(VALUE_BYTES) and metadata["version"] == "3"
+    assert metadata["part_bytes"] == str(VALUE_BYTES) and metadata["version"] == "4"
     assert len(json.loads(metadata["blocks"])) == 2
     with pytest.raises(ValueError):
         RedisStore(redis_url, tiny_spec(), value_bytes=10)

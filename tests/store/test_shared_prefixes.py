@@ -1,0 +1,236 @@
+"""Shared prefixes: full blocks stored once per namespace, refcounted and collected; cross-agent warm starts.
+
+Against a real disk directory (hard links are the reference count) and a real redis-server
+(reference sets, checked under WATCH). Blocks are 16 tokens (tiny_spec); the synthetic KV is
+a function of (position, token), so agents with the same prefix make byte-identical blocks,
+as agents warm-started from one another do with a real model.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from store.backend import BlockBackend
+from store.disk import DiskStore
+from store.manifest import parse_shared_name
+from store.redis_store import RedisStore
+from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
+
+pytestmark = pytest.mark.integration
+
+PREFIX = tokens(64, seed=42)  # 4 full blocks
+Opener = Callable[..., BlockBackend]
+
+
+@pytest.fixture(params=["disk", "redis-server"])
+def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    """Opens backends of one kind over one shared storage (one directory, one Redis)."""
+    made: list[BlockBackend] = []
+
+    def open_one(namespace: str = "default") -> BlockBackend:
+        store: BlockBackend
+        if request.param == "disk":
+            store = DiskStore(tmp_path / "store", tiny_spec(), namespace=namespace)
+        else:
+            store = RedisStore(request.getfixturevalue("redis_url"), tiny_spec(), namespace=namespace)
+        made.append(store)
+        return store
+
+    yield open_one
+    for store in made:
+        store.close()
+
+
+def _shared_storage(store: BlockBackend) -> set[str]:
+    """Everything the shared area holds: files on disk; values, reference sets and pointers in Redis."""
+    if isinstance(store, DiskStore):
+        return {str(p.relative_to(store.root)) for p in (store.root / "shared").rglob("*") if p.is_file()}
+    assert isinstance(store, RedisStore)
+    return {k.decode() for k in store._client.scan_iter(match=f"{store.prefix}s:*")}
+
+
+def _stored_values(store: BlockBackend) -> int:
+    """How many block copies the storage holds (inodes on disk, values in Redis)."""
+    if isinstance(store, DiskStore):
+        return len({os.stat(p).st_ino for p in store.root.rglob("blocks/*")})
+    assert isinstance(store, RedisStore)
+    return len(redis_value_keys(store._client, store.prefix))
+
+
+def test_agents_sharing_a_prefix_store_it_once(opener: Opener) -> None:
+    store = opener()
+    caches = {f"agent-{i}": make_cache(store.spec, PREFIX + tokens(10, seed=i)) for i in range(5)}
+    for agent, cache in caches.items():
+        assert store.put(agent, cache)
+    block_bytes = store.read_manifest("agent-0").blocks[0].nbytes  # type: ignore[union-attr]
+    stats = store.stats()
+    assert stats["blocks_linked"] == 4 * 4  # every agent after the first links the 4 prefix blocks
+    assert stats["bytes_saved"] == 4 * 4 * block_bytes
+    assert stats["blocks_written"] == 4 + 5  # the prefix once, each agent's partial last block
+    assert _stored_values(store) == 4 + 5
+    for agent, cache in caches.items():
+        assert_same_cache(opener().get(agent), cache)
+
+
+def test_an_agent_without_a_cache_warm_starts_from_another_agents_prefix(opener: Opener) -> None:
+    writer = opener()
+    writer.put("writer", make_cache(writer.spec, PREFIX + tokens(10, seed=1)))
+    reader = opener()  # another worker
+    prompt = PREFIX + tokens(30, seed=2)
+    got = reader.get("newcomer", prompt_tokens=prompt)
+    assert_same_cache(got, make_cache(reader.spec, PREFIX))
+    stats = reader.stats()
+    assert (stats["cross_agent_hits"], stats["hits"], stats["misses"], stats["miss_absent"]) == (1, 1, 0, 1)
+    # A prompt that leaves the prefix inside block 3 resumes from the first two blocks only.
+    edited = PREFIX[:40] + tokens(30, seed=3)
+    assert_same_cache(reader.get("newcomer", prompt_tokens=edited), make_cache(reader.spec, PREFIX[:32]))
+    # Without a prompt there is nothing to match: a plain miss.
+    assert reader.get("newcomer") is None
+
+
+def test_the_longer_of_own_and_shared_wins(opener: Opener) -> None:
+    store = opener()
+    store.put("writer", make_cache(store.spec, PREFIX + tokens(10, seed=1)))
+    store.put("short", make_cache(store.spec, PREFIX[:20]))  # own cache: 20 tokens of the prefix
+    prompt = PREFIX + tokens(5, seed=9)
+    assert_same_cache(store.get("short", prompt_tokens=prompt), make_cache(store.spec, PREFIX))
+    long = make_cache(store.spec, PREFIX + tokens(40, seed=4))
+    store.put("long", long)
+    hits = store.stats()["cross_agent_hits"]
+    assert_same_cache(store.get("long", prompt_tokens=long.token_ids + [1]), long)
+    assert store.stats()["cross_agent_hits"] == hits  # its own cache covered more
+
+
+def test_namespaces_keep_tenants_apart(opener: Opener) -> None:
+    tenant_a, tenant_b = opener("tenant-a"), opener("tenant-b")
+    tenant_a.put("a1", make_cache(tenant_a.spec, PREFIX + [1]))
+    assert tenant_b.get("b1", prompt_tokens=PREFIX + [2]) is None
+    assert tenant_b.stats()["cross_agent_hits"] == 0
+    tenant_b.put("b1", make_cache(tenant_b.spec, PREFIX + [2]))
+    assert tenant_b.stats()["bytes_saved"] == 0  # its own copy, not tenant a's
+    assert_same_cache(
+        opener("tenant-a").get("a2", prompt_tokens=PREFIX + [3]), make_cache(tenant_a.spec, PREFIX)
+    )
+
+
+def test_shared_blocks_live_while_an_agent_uses_them(opener: Opener) -> None:
+    store = opener()
+    agents = {f"agent-{i}": make_cache(store.spec, PREFIX + tokens(10, seed=i)) for i in range(3)}
+    for agent, cache in agents.items():
+        store.put(agent, cache)
+    assert store.delete("agent-0") and store.delete("agent-1")
+    assert store.stats()["shared_collected"] == 0
+    assert_same_cache(store.get("agent-2"), agents["agent-2"])
+    # Replacing the last user's cache with other tokens releases the prefix blocks: collected.
+    store.put("agent-2", make_cache(store.spec, tokens(40, seed=7)))
+    assert store.stats()["shared_collected"] == 4
+    assert store.get("probe", prompt_tokens=PREFIX + [1]) is None  # nothing left to warm-start from
+    assert store.delete("agent-2")
+    assert _shared_storage(store) == set()
+    assert _stored_values(store) == 0
+
+
+def test_a_damaged_shared_block_is_a_miss_for_its_users(opener: Opener) -> None:
+    store = opener()
+    for agent in ("a", "b"):
+        store.put(agent, make_cache(store.spec, PREFIX + [ord(agent)]))
+    manifest = store.read_manifest("a")
+    assert manifest is not None
+    shared = manifest.blocks[1]
+    if isinstance(store, DiskStore):
+        path = store._agent_dir("a") / "blocks" / f"{shared.name}.safetensors"  # the same inode as b's
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 1
+        path.write_bytes(bytes(data))
+    else:
+        assert isinstance(store, RedisStore)
+        key = store._part_keys("a", shared.name, shared.nbytes, manifest.part_bytes)[0]
+        value = bytearray(store._client.get(key))  # type: ignore[arg-type]
+        value[-5] ^= 1
+        store._client.set(key, bytes(value))
+    assert store.get("a") is None and store.get("b") is None
+    assert store.stats()["miss_checksum"] == 2
+    cache = make_cache(store.spec, PREFIX + [9])
+    store.put("c", cache)  # the damaged version left with its last user: written again
+    assert_same_cache(store.get("c"), cache)
+
+
+# --- processes racing: puts, replacements and deletes of agents sharing one prefix -------------------
+ROUNDS = 12
+
+
+def _open(kind: str, location: str) -> BlockBackend:
+    if kind == "disk":
+        return DiskStore(location, tiny_spec())
+    return RedisStore(location, tiny_spec(), prefix="race:")
+
+
+def _churn(kind: str, location: str, worker: int, go: Any) -> None:
+    store = _open(kind, location)
+    go.wait(30)
+    for round_ in range(ROUNDS):
+        agent = f"w{worker}-{round_ % 3}"
+        store.put(agent, make_cache(store.spec, PREFIX[: 16 * (1 + round_ % 4)] + tokens(5, seed=round_)))
+        if round_ % 4 == 3:
+            store.delete(f"w{worker}-{(round_ + 1) % 3}")
+    store.close()
+
+
+def _race(kind: str, location: str) -> tuple[BlockBackend, set[str]]:
+    """Three processes churn; then every surviving agent reads back whole. Returns the store and
+    the shared blocks the survivors' manifests use."""
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    procs = [ctx.Process(target=_churn, args=(kind, location, w, go)) for w in range(3)]
+    for proc in procs:
+        proc.start()
+    go.set()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    store = _open(kind, location)
+    survivors = store.list()
+    assert survivors
+    referenced: set[str] = set()
+    for agent in survivors:
+        got = store.get(agent)
+        assert got is not None, agent
+        assert_same_cache(got, make_cache(store.spec, got.token_ids))
+        referenced |= _shared_names(store, agent)
+    assert store.stats()["misses"] == 0
+    return store, referenced
+
+
+def _shared_names(store: BlockBackend, agent: str) -> set[str]:
+    manifest = store.read_manifest(agent)
+    assert manifest is not None
+    return {ref.name for ref in manifest.blocks if parse_shared_name(ref.name) is not None}
+
+
+def test_concurrent_writers_on_disk_keep_every_shared_block_in_use(tmp_path: Path) -> None:
+    location = str(tmp_path / "store")
+    DiskStore(location, tiny_spec()).close()
+    store, referenced = _race("disk", location)
+    assert isinstance(store, DiskStore)
+    store.collect_shared_garbage()
+    indexed = list((store.root / "shared").rglob("*.safetensors"))
+    assert {f"{p.parent.name}.{p.stem}" for p in indexed} <= referenced  # nothing unused survives
+    assert all(os.stat(p).st_nlink >= 2 for p in indexed)  # the index and at least one agent
+
+
+def test_concurrent_writers_on_redis_keep_every_shared_block_in_use(redis_url: str) -> None:
+    store, referenced = _race("redis", redis_url)
+    assert isinstance(store, RedisStore)
+    client = redis.Redis.from_url(redis_url)
+    persistent = redis_value_keys(client, "race:", persistent_only=True)
+    assert {key.split(":s:")[1] for key in persistent if ":s:" in key} == referenced  # no leak, none gone
+    for name in referenced:
+        members = {m.decode() if isinstance(m, bytes) else m for m in client.smembers(store._refs_key(name))}
+        assert members == {agent for agent in store.list() if name in _shared_names(store, agent)}
