@@ -147,7 +147,7 @@ def quantizable(request: pytest.FixtureRequest) -> tuple[str, Any]:
 
 
 @pytest.mark.parametrize("quantization", ["none", "q8"])
-@pytest.mark.parametrize("backend", ["disk", "redis"])
+@pytest.mark.parametrize("backend", ["disk", pytest.param("redis", marks=pytest.mark.integration)])
 def test_resume_through_the_store_equals_fresh_prefill(
     quantizable: tuple[str, Any],
     backend: str,
