@@ -177,3 +177,18 @@ def test_forcing_the_batch_generator_gives_the_same_greedy_tokens(model: object)
         done = run_all(eng)
         outputs.append([done[u].token_ids for u in uids])
     assert outputs[0] == outputs[1]
+
+
+def test_rows_crossing_from_the_short_group_to_attending_alone_keep_their_tokens(model: object) -> None:
+    from engine.ragged import SHORT_ROW_TOKENS
+
+    prompts = [prompt(SHORT_ROW_TOKENS - 12, salt=s) for s in (1, 2)] + [prompt(30, salt=3)]
+    alone = []
+    for p in prompts:
+        eng = make_engine(model)
+        uid = eng.submit("a", p, SamplingParams(max_tokens=25, stop_tokens=()))
+        alone.append(run_all(eng)[uid].token_ids)
+    together = make_engine(model)
+    uids = [together.submit("a", p, SamplingParams(max_tokens=25, stop_tokens=())) for p in prompts]
+    done = run_all(together)
+    assert [done[u].token_ids for u in uids] == alone
