@@ -182,6 +182,7 @@ class WorkerLoop:
                     )
                     break
                 delay = self.backoff.next()
+                self.next_crash_check = time.monotonic() + delay + self.settings.liveness_ttl  # peers re-beat
                 log.warning("Redis unreachable (%s): retry %d in %.1f s", exc, self.backoff.failures, delay)
                 time.sleep(delay)
         self.shutdown()
