@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from engine.engine import BlockPoolBatchEngine
+from engine.errors import UnsupportedModelError
 from engine.params import SamplingParams
 from engine.results import Completion
 from store import open_store
@@ -95,6 +96,11 @@ def test_batched_greedy_equals_mlx_lm_generate(family: tuple[str, Any], engine: 
     done = run_all(engine)
     for uid, prompt in zip(uids, prompts, strict=True):
         assert done[uid].token_ids == reference(model, prompt, 12)
+
+
+def test_a_family_mlx_lm_cannot_batch_fails_at_load_naming_the_layer() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"^layer 0 uses ChunkedKVCache: mlx-lm cannot batch it"):
+        BlockPoolBatchEngine(tiny_model("llama4"), ByteTokenizer(), model_name="tiny-llama4", pool_blocks=4)
 
 
 def expected_reuse(engine: BlockPoolBatchEngine, cached: int, shared: int) -> int:

@@ -168,6 +168,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_kv_heads": [1, 2],
         "ffn_multipliers": [1.0, 2.0],
     },
+    "llama4": {  # chunked attention (ChunkedKVCache), which mlx-lm cannot batch
+        "text_config": {
+            **COMMON,
+            "model_type": "llama4_text",
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "attention_bias": False,
+            "attention_chunk_size": 64,
+            "interleave_moe_layer_step": 1,
+            "intermediate_size_mlp": 128,
+            "max_position_embeddings": 1024,
+            "num_experts_per_tok": 1,
+            "num_local_experts": 2,
+            "rope_scaling": None,
+            "rope_theta": 10000.0,
+            "use_qk_norm": True,
+        }
+    },
     "mamba": {
         "vocab_size": 256,
         "hidden_size": 64,
