@@ -3,7 +3,8 @@
 - RaggedBackend (engine/ragged.py): per-row KV buffers, chunked prefill between decode
   steps; used for every architecture it is verified on whose layers are all full attention.
 - MlxBatchBackend: mlx-lm's own BatchGenerator, for the rest (sliding-window layers,
-  other architectures); it cannot resume from blocks for sliding-window models anyway.
+  per-layer shapes, other architectures); models with SSM state use its subclass
+  engine/checkpoints.py, which checkpoints the state at block boundaries.
 
 Both take a prompt (with an optional saved cache prefix) and give back per-step tokens
 and, for a finished sequence, its per-layer KV and the tokens that KV covers.
