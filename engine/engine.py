@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from engine.checkpoints import CheckpointingBatchBackend
 from engine.errors import InvalidRequestError
 from engine.host_slab import BlockSlab
 from engine.kv_arena import KVArena
-from engine.kv_convert import caches_to_blocks, keep_buffers_resident
+from engine.kv_convert import caches_to_blocks, copy_into_blocks, host_layers, keep_buffers_resident
 from engine.params import SamplingParams
 from engine.ragged import route_attention
 from engine.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
@@ -46,6 +47,16 @@ class _Sequence:
     submitted_at: float
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+
+
+@dataclass
+class _Cut:
+    """A finished sequence whose KV a background thread is copying into blocks."""
+
+    seq: _Sequence
+    reason: FinishReason
+    kv: FinishedKV
+    blocks: Future[AgentCache]
 
 
 class BlockPoolBatchEngine:
@@ -101,6 +112,10 @@ class BlockPoolBatchEngine:
             self._backend = MlxBatchBackend(model, max_batch=max_batch, prefill_step_size=prefill_step_size)
         self.ragged = use_ragged
         self._sequences: dict[int, _Sequence] = {}
+        # Cutting a finished sequence's KV into blocks is a copy of all of it: done on this
+        # thread it stalled the whole batch for the step a burst of sequences ended in.
+        self._cutter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrq-cut")
+        self._cuts: list[_Cut] = []
 
     # ---- admission -------------------------------------------------------------------
 
@@ -143,7 +158,8 @@ class BlockPoolBatchEngine:
         return len(self._sequences)
 
     def has_work(self) -> bool:
-        return bool(self._sequences)
+        """Sequences running, or finished ones whose completion (cache being cut) is still to come."""
+        return bool(self._sequences) or bool(self._cuts)
 
     def submit(
         self,
@@ -217,10 +233,19 @@ class BlockPoolBatchEngine:
     # ---- stepping --------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """One batch step: new tokens for running sequences, completions for finished ones."""
+        """One batch step: new tokens for running sequences, completions for finished ones.
+
+        A sequence's completion comes with the step its last token does, or a later one when
+        its KV is still being cut into blocks on the background thread (the last token's
+        delta is never held back). With nothing running, step() waits for those cuts.
+        """
         output = StepOutput()
-        if not self._sequences:
-            return output
+        if self._sequences:
+            self._step_batch(output)
+        output.completions += self._collect_cuts(wait=not self._sequences)
+        return output
+
+    def _step_batch(self, output: StepOutput) -> None:
         generated = self._backend.step()
         now = time.perf_counter()
         for item in generated:
@@ -235,15 +260,17 @@ class BlockPoolBatchEngine:
             if not ends_on_stop_token:
                 seq.generated.append(token)
                 delta = seq.text.add(token)
+            completion = None
             if item.finish_reason is not None:
                 delta += seq.text.finish()
                 reason: FinishReason = "stop" if item.finish_reason == "stop" else "length"
-                output.completions.append(self._finish(seq, reason))
+                completion = self._finish(seq, reason)
             elif seq.text.stopped:
                 delta += seq.text.finish()
-                output.completions.append(self._finish(seq, "stop"))
+                completion = self._finish(seq, "stop")
+            if completion is not None:
+                output.completions.append(completion)
             output.deltas.append(TokenDelta(seq.uid, token, delta))
-        return output
 
     def cancel(self, uid: int) -> Completion | None:
         """Stop a sequence now and free its blocks; None if it is not running."""
@@ -252,14 +279,38 @@ class BlockPoolBatchEngine:
             return None
         return self._finish(seq, "canceled")
 
-    def _finish(self, seq: _Sequence, reason: FinishReason) -> Completion:
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> Completion | None:
+        """The sequence's completion, or None when its cache is being cut in the background
+        (its blocks stay reserved in the pool until the copy is done)."""
         del self._sequences[seq.uid]
-        self.pool.free(seq.uid)
         want_kv = seq.keep_cache and reason != "canceled"
         kv = self._backend.finish(seq.uid, want_kv)
+        if kv is not None and self.spec.all_full_attention:
+            host = host_layers(kv.layers, len(kv.tokens), self.spec)  # MLX calls stay on this thread
+            blocks = self._cutter.submit(copy_into_blocks, host, list(kv.tokens), self.spec, self._slab)
+            self._cuts.append(_Cut(seq, reason, kv, blocks))
+            return None
+        self.pool.free(seq.uid)
         cache = None
         if kv is not None:
             cache = self._cut_into_blocks(kv)
+        return self._completion(seq, reason, cache)
+
+    def _collect_cuts(self, wait: bool) -> list[Completion]:
+        done = []
+        for cut in list(self._cuts):
+            if not (wait or cut.blocks.done()):
+                continue
+            self._cuts.remove(cut)
+            try:
+                cache = cut.blocks.result()
+            finally:
+                self._backend.release(cut.kv)
+                self.pool.free(cut.seq.uid)
+            done.append(self._completion(cut.seq, cut.reason, cache))
+        return done
+
+    def _completion(self, seq: _Sequence, reason: FinishReason, cache: AgentCache | None) -> Completion:
         now = time.perf_counter()
         return Completion(
             uid=seq.uid,
@@ -294,4 +345,6 @@ class BlockPoolBatchEngine:
         return self._backend.prompt_tokens_processed()
 
     def close(self) -> None:
+        self._collect_cuts(wait=True)
+        self._cutter.shutdown(wait=True)
         self._backend.close()

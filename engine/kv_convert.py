@@ -130,7 +130,19 @@ def caches_to_blocks(
         from engine.layered_kv import layered_caches_to_blocks
 
         return layered_caches_to_blocks(layers, token_ids, spec, checkpoints)
-    n_tokens = len(token_ids)
+    host = host_layers(layers, len(token_ids), spec)
+    return copy_into_blocks(host, token_ids, spec, slab)
+
+
+HostLayers = list[tuple[np.ndarray, np.ndarray]]
+
+
+def host_layers(layers: list[Any], n_tokens: int, spec: ModelCacheSpec) -> HostLayers:
+    """Zero-copy (heads, tokens, dim) numpy views of each layer's evaluated K and V.
+
+    The only MLX calls of an extract: run them on the thread that runs the model, then
+    copy_into_blocks (numpy only, the GIL released while it copies) may run on another.
+    """
     sources = [_layer_arrays(layer) for layer in layers]
     mx.eval(sources)
     if len(sources) != spec.n_layers:
@@ -139,6 +151,14 @@ def caches_to_blocks(
     for keys, _ in host:
         if keys.shape[1] < n_tokens:
             raise RuntimeError(f"cache holds {keys.shape[1]} tokens but the sequence has {n_tokens}")
+    return host
+
+
+def copy_into_blocks(
+    host: HostLayers, token_ids: list[int], spec: ModelCacheSpec, slab: BlockSlab | None = None
+) -> AgentCache:
+    """Copy the first len(token_ids) tokens of host K/V views into blocks (slab slots if given)."""
+    n_tokens = len(token_ids)
     n_blocks = spec.blocks_for(n_tokens)
     slots = (
         slab.take(n_blocks)

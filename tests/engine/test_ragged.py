@@ -192,3 +192,46 @@ def test_rows_crossing_from_the_short_group_to_attending_alone_keep_their_tokens
     uids = [together.submit("a", p, SamplingParams(max_tokens=25, stop_tokens=())) for p in prompts]
     done = run_all(together)
     assert [done[u].token_ids for u in uids] == alone
+
+
+def test_cutting_a_finished_cache_runs_off_the_step_thread(
+    engine: BlockPoolBatchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import engine.engine as engine_module
+
+    release = threading.Event()
+    real_copy = engine_module.copy_into_blocks
+
+    def slow_copy(*args: object, **kwargs: object) -> AgentCache:
+        assert release.wait(30), "the test never let the copy finish"
+        return real_copy(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "copy_into_blocks", slow_copy)
+    running = engine.submit("r", prompt(10), GREEDY_LONG)
+    ending = engine.submit("e", prompt(300, salt=4), SamplingParams(max_tokens=2, stop_tokens=()))
+    held = engine.pool.held_by(ending)
+    last_delta_seen = False
+    for _ in range(20):
+        out = engine.step()
+        assert not out.completions, "no completion while its blocks are still being copied"
+        if ending in tokens_of(out):
+            last_delta_seen = len([d for d in out.deltas if d.uid == ending]) == 1
+        if engine.active() == 1:
+            break
+    assert last_delta_seen and engine.active() == 1 and engine.has_work()
+    assert engine.pool.held_by(ending) == held, "its blocks stay reserved until the copy is done"
+    for _ in range(3):
+        assert tokens_of(engine.step()) == {running}, "the batch keeps stepping meanwhile"
+    release.set()
+    completions: list[Completion] = []
+    for _ in range(50):
+        completions += engine.step().completions
+        if completions:
+            break
+    assert [c.uid for c in completions] == [ending]
+    assert completions[0].cache is not None and completions[0].cache.n_tokens == 301
+    assert engine.pool.held_by(ending) == 0
+    engine.cancel(running)
+    assert not engine.has_work()
