@@ -57,7 +57,7 @@ class Scheduler:
             if agent is None or agent in self._busy_agents:
                 continue
             first = earliest.get(agent)
-            if first is None or held.enqueued_at < first.enqueued_at:
+            if first is None or held.first_enqueued_at < first.first_enqueued_at:
                 earliest[agent] = held
         return [
             held

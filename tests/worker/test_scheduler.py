@@ -12,7 +12,9 @@ from worker.held import HeldJob
 from worker.scheduler import Scheduler
 
 
-def held(job_id: str, agent: str | None, first: float, prompt: int = 4, max_tokens: int = 4) -> HeldJob:
+def held(
+    job_id: str, agent: str | None, first: float, prompt: int = 4, max_tokens: int = 4, enqueued: float = 0.0
+) -> HeldJob:
     fake: Any = SimpleNamespace(id=job_id)
     return HeldJob(
         job=fake,
@@ -21,7 +23,7 @@ def held(job_id: str, agent: str | None, first: float, prompt: int = 4, max_toke
         request=cast(Any, SimpleNamespace(agent_id=agent)),
         sampling=SamplingParams(max_tokens=max_tokens),
         prompt_tokens=[1] * prompt,
-        enqueued_at=first,
+        enqueued_at=enqueued or first,
         first_enqueued_at=first,
         held_at=0.0,
     )
@@ -39,6 +41,14 @@ def test_an_agents_earliest_job_is_its_only_candidate_even_when_taken_last() -> 
     for job in (later, other, rerun):
         scheduler.add(job)
     assert ids(scheduler.candidates()) == ["b1", "a1"]
+
+
+def test_order_is_the_first_enqueue_not_the_last() -> None:
+    """Jobs handed back by a drain are re-enqueued newest first: rq's enqueued_at then runs backwards."""
+    scheduler = Scheduler(held_limit=8)
+    scheduler.add(held("a1", "A", first=1.0, enqueued=20.0))  # re-enqueued last, at the front
+    scheduler.add(held("a2", "A", first=2.0, enqueued=10.0))
+    assert ids(scheduler.candidates()) == ["a1"]
 
 
 def test_an_agent_stays_busy_until_its_job_has_saved_its_cache() -> None:
