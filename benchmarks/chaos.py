@@ -2,7 +2,7 @@
 
     python benchmarks/chaos.py                       # every fault, 20 rounds each (hours here)
     python benchmarks/chaos.py --rounds 2            # the same, 2 rounds each
-    python benchmarks/chaos.py --only kill9-peer --rounds 5
+    python benchmarks/chaos.py --only kill9-peer --rounds 5   # replaces that row in the JSON
 
 Faults (each round submits `--jobs` jobs, waits until they run, then strikes):
 - kill9-peer: `kill -9` of the worker holding the most jobs while a second worker is alive
@@ -338,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     load_before = os.getloadavg()
-    rows: list[dict[str, Any]] = []
     out = Path(args.out)
+    earlier = json.loads(out.read_text()) if out.exists() and args.only else {}
+    kept = [r for r in earlier.get("faults", []) if r["fault"] not in args.only] if args.only else []
+    rows: list[dict[str, Any]] = []
     for fault in args.only or FAULTS:
         try:
             rows.append(run_fault(fault, args.rounds, args.jobs, args.outage).row())
@@ -357,12 +359,21 @@ def main(argv: list[str] | None = None) -> int:
             },
             "load_average_before_after": [load_before, os.getloadavg()],
             "wall_s": round(time.monotonic() - started, 1),
-            "faults": rows,
+            "faults": sorted([*kept, *rows], key=lambda r: FAULTS.index(r["fault"])),
+            "earlier_runs": [
+                *earlier.get("earlier_runs", []),
+                *(
+                    [{k: earlier[k] for k in ("command", "load_average_before_after", "wall_s")}]
+                    if earlier
+                    else []
+                ),
+            ],
         }
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
-    print_table([r for r in rows if "error" not in r])
-    for r in rows:
+    merged = sorted([*kept, *rows], key=lambda r: FAULTS.index(r["fault"]))
+    print_table([r for r in merged if "error" not in r])
+    for r in merged:
         if "error" in r:
             print(f"- {r['fault']}: run broke: {r['error'][:300]}")
     print(f"\nwall {round(time.monotonic() - started, 1)} s; wrote {out}")

@@ -52,17 +52,17 @@ class RssSampler(threading.Thread):
         self.pid = pid
         self.every_s = every_s
         self.samples: list[tuple[float, float]] = []  # (monotonic, MB)
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             rss = vm_rss_mb(self.pid)
             if rss is not None:
                 self.samples.append((time.monotonic(), rss))
-            self._stop.wait(self.every_s)
+            self._halt.wait(self.every_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 
