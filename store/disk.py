@@ -328,7 +328,8 @@ class DiskStore(BlockBackend):
 
     def collect_shared_garbage(self) -> int:
         """Collect every shared version no agent links (left by writers that crashed after
-        publishing); the budget scan runs it. Returns how many were removed."""
+        publishing). Scans the whole index: for maintenance, not for every put. Returns how many
+        were removed."""
         before = self._stats.snapshot().get("shared_collected", 0)
         for shard in _scandir(self._shared):
             for share in _scandir(Path(shard.path)):

@@ -24,6 +24,7 @@ import builtins
 import contextlib
 import dataclasses
 import random
+import re
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -63,9 +64,12 @@ _PIPELINE_BYTES = 64 * 1024 * 1024  # flush a block-writing pipeline every ~64 M
 # Blocks are stored as values of at most 4 MB: a large value holds Redis's single thread (and every other
 # client) for its whole copy, and replication and client buffers handle many moderate values better.
 MAX_VALUE_BYTES = 4_000_000
-# KEYS: a shared block's reference set, its share key's pointer, its values; ARGV[1]: the pointer value
-# naming this version. Deletes the block only if no agent references it (atomically).
-_COLLECT_SHARED = """
+# Drops an agent's reference to a shared block and deletes the block if no agent references it, atomically.
+# KEYS: its reference set, its share key's pointer, its values. ARGV: the pointer value naming this
+# version, the agent id ('' to only collect). Runs inside the MULTI that swaps the agent's manifest, so a
+# crash cannot come between the two; also works when Redis is out of memory, where MULTI refuses deletes.
+_RELEASE_SHARED = """
+if ARGV[2] ~= '' then redis.call('SREM', KEYS[1], ARGV[2]) end
 if redis.call('SCARD', KEYS[1]) > 0 then return 0 end
 for i = 3, #KEYS do redis.call('UNLINK', KEYS[i]) end
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
@@ -116,8 +120,7 @@ class RedisStore(BlockBackend):
             self._owns_client = False
         self._index = f"{prefix}index"
         self._sizes = f"{prefix}sizes"
-        self._collect_script = self._client.register_script(_COLLECT_SHARED)
-        self._scripting = True
+        self._scripting: bool | None = None  # whether the server runs Lua (fakeredis without lupa does not)
 
     # --- keys ----------------------------------------------------------------------------------
     def _mkey(self, agent_id: str) -> str:
@@ -381,12 +384,14 @@ class RedisStore(BlockBackend):
     ) -> builtins.list[tuple[BlockRef, int]]:
         """One MULTI/EXEC: swap the manifest, settle block expiries, take references on its shared
         blocks and drop those of the replaced manifest, delete the agent's replaced blocks, index.
-        Returns the shared blocks it stopped using (with their part size), to collect if unused."""
+        Returns the shared blocks it stopped using that are still to collect (none where Redis runs
+        scripts: they are released inside the transaction)."""
         old_own, old_shared, old_part_bytes = self._stored_blocks(agent_id, current)
         own = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is None]
         shared = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is not None]
         own_keys = self._ref_keys(agent_id, own, manifest.part_bytes)
         written = set(self._ref_keys(agent_id, [block.ref() for block in plan.new_blocks], self.part_bytes))
+        scripted = self._supports_scripts()
         tx.multi()
         tx.set(self._mkey(agent_id), manifest_blob, ex=self.ttl_s)
         for key in own_keys:
@@ -410,31 +415,60 @@ class RedisStore(BlockBackend):
             tx.unlink(*stale)
         names = {ref.name for ref in shared}
         released = [(ref, old_part_bytes) for ref in old_shared if ref.name not in names]
-        for ref, _part_bytes in released:
-            tx.srem(self._refs_key(ref.name), agent_id)
         tx.zadd(self._index, {agent_id: time.time()})
         tx.hset(self._sizes, agent_id, manifest.block_bytes + len(manifest_blob))
-        tx.execute()
-        return released
+        return self._release_in(tx, agent_id, released, scripted)
+
+    def _release_in(
+        self, tx: Any, agent_id: str, released: Sequence[tuple[BlockRef, int]], scripted: bool
+    ) -> builtins.list[tuple[BlockRef, int]]:
+        """Queue the release of `released` at the end of a MULTI and EXEC it. With scripting the
+        blocks left unused are deleted in the same transaction; otherwise they are returned, for
+        _collect_shared to check and delete after the EXEC."""
+        for ref, part_bytes in released:
+            if scripted:
+                keys, pointer = self._release_keys(ref, part_bytes)
+                tx.eval(_RELEASE_SHARED, len(keys), *keys, pointer, agent_id)
+            else:
+                tx.srem(self._refs_key(ref.name), agent_id)
+        results = tx.execute()
+        if not scripted:
+            return list(released)
+        if released:
+            self._stats.add("shared_collected", sum(int(r) for r in results[-len(released) :]))
+        return []
+
+    def _release_keys(self, ref: BlockRef, part_bytes: int) -> tuple[builtins.list[str], str]:
+        share = ref.name.partition(".")[0]
+        keys = [
+            self._refs_key(ref.name),
+            self._pointer_key(share),
+            *self._part_keys("", ref.name, ref.nbytes, part_bytes),
+        ]
+        return keys, f"{ref.crc32:08x}:{ref.nbytes}"
+
+    def _supports_scripts(self) -> bool:
+        if self._scripting is None:
+            try:
+                self._client.eval("return 1", 0)
+                self._scripting = True
+            except ResponseError as exc:
+                if "unknown command" not in str(exc).lower():
+                    raise
+                self._scripting = False
+        return self._scripting
 
     def _collect_shared(self, released: Sequence[tuple[BlockRef, int]]) -> None:
         """Delete the shared blocks no agent references any more (and their pointer if it names them).
 
-        Each check-and-delete is atomic (a Lua script; WATCH/MULTI where the server runs no scripts,
-        as fakeredis): an agent adopting the block at the same moment either commits first (the
-        block stays) or finds it gone under its own WATCH and writes it again. A script also works
-        when Redis is out of memory, where MULTI refuses to queue even a delete.
+        Each check-and-delete is atomic (the release script; WATCH/MULTI where the server runs no
+        scripts): an agent adopting the block at the same moment either commits first (the block
+        stays) or finds it gone under its own WATCH and writes it again.
         """
         for ref, part_bytes in released:
-            parsed = parse_shared_name(ref.name)
-            if parsed is None:
+            if parse_shared_name(ref.name) is None:
                 continue
-            keys = [
-                self._refs_key(ref.name),
-                self._pointer_key(parsed[0]),
-                *self._part_keys("", ref.name, ref.nbytes, part_bytes),
-            ]
-            pointer = f"{ref.crc32:08x}:{ref.nbytes}"
+            keys, pointer = self._release_keys(ref, part_bytes)
             try:
                 collected = self._collect_one(keys, pointer)
             except RedisError as exc:
@@ -444,13 +478,8 @@ class RedisStore(BlockBackend):
                 self._stats.add("shared_collected")
 
     def _collect_one(self, keys: builtins.list[str], pointer: str) -> bool:
-        if self._scripting:
-            try:
-                return bool(self._collect_script(keys=keys, args=[pointer]))
-            except ResponseError as exc:
-                if "unknown command" not in str(exc).lower():
-                    raise
-                self._scripting = False  # a server without scripting (fakeredis without lupa)
+        if self._supports_scripts():
+            return bool(self._client.eval(_RELEASE_SHARED, len(keys), *keys, pointer, ""))
         refs_key, pointer_key, *values = keys
         try:
             with self._client.pipeline(transaction=True) as tx:
@@ -466,6 +495,34 @@ class RedisStore(BlockBackend):
         except WatchError:
             return False  # someone touched it meanwhile: it is in use again
         return True
+
+    def collect_shared_garbage(self) -> int:
+        """Collect every committed shared block no agent references (left by a damaged manifest, or a
+        writer killed between its EXEC and a collection on a server without scripting). Returns how
+        many were removed. Scans the keyspace: for maintenance, not for every put."""
+        shape = re.compile(re.escape(self.prefix) + r"s:([0-9a-f]{32}\.[0-9a-f]{8})(?::(\d+))?")
+        parts: dict[str, builtins.list[str]] = {}
+        for raw in self._client.scan_iter(match=f"{self.prefix}s:*", count=1000):
+            key = raw.decode() if isinstance(raw, bytes) else str(raw)
+            match = shape.fullmatch(key)
+            if match is not None:
+                parts.setdefault(match.group(1), []).append(key)
+        before = self._stats.snapshot().get("shared_collected", 0)
+        for name, keys in parts.items():
+            base = f"{self.prefix}s:{name}"
+            if base not in keys or self._client.pttl(base) != -1 or self._client.exists(self._refs_key(name)):
+                continue  # provisional (a put in flight), or in use
+            nbytes = sum(int(self._client.strlen(key)) for key in keys)
+            crc = int(name.partition(".")[2], 16)
+            ref = BlockRef(name, "", 0, nbytes, crc)
+            refs_key, pointer_key = self._refs_key(name), self._pointer_key(name.partition(".")[0])
+            pointer = f"{crc:08x}:{nbytes}"
+            try:
+                if self._collect_one([refs_key, pointer_key, *sorted(keys)], pointer):
+                    self._stats.add("shared_collected")
+            except RedisError as exc:
+                log.warning("redis: could not collect shared block %s: %r", ref.name, exc)
+        return self._stats.snapshot().get("shared_collected", 0) - before
 
     def _discard(self, agent_id: str, plan: WritePlan) -> None:
         """Delete the new blocks of a plan that will not be committed: the agent's own ones, and the
@@ -517,17 +574,16 @@ class RedisStore(BlockBackend):
                 if only_if is not None and (blob is None or bytes(blob) != only_if):
                     return False
                 keys, shared, part_bytes = self._stored_blocks(handle, blob)
+                scripted = self._supports_scripts()
                 tx.multi()
                 tx.unlink(mkey, *keys)
-                for ref in shared:
-                    tx.srem(self._refs_key(ref.name), handle)
                 tx.zrem(self._index, handle)
                 tx.hdel(self._sizes, handle)
                 try:
-                    tx.execute()
+                    to_collect = self._release_in(tx, handle, [(ref, part_bytes) for ref in shared], scripted)
                 except WatchError:
                     continue
-            self._collect_shared([(ref, part_bytes) for ref in shared])
+            self._collect_shared(to_collect)
             if blob is not None and not keys and not shared:
                 self._sweep(handle)  # damaged manifest: find the agent's permanent blocks by pattern
             return blob is not None

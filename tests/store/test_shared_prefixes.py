@@ -234,3 +234,50 @@ def test_concurrent_writers_on_redis_keep_every_shared_block_in_use(redis_url: s
     for name in referenced:
         members = {m.decode() if isinstance(m, bytes) else m for m in client.smembers(store._refs_key(name))}
         assert members == {agent for agent in store.list() if name in _shared_names(store, agent)}
+
+
+class _Killed(Exception):
+    """Stands for a SIGKILL right after the transaction that swapped the manifest."""
+
+
+def test_a_writer_dying_right_after_its_exec_leaves_no_unused_shared_block(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release of replaced shared blocks runs inside the MULTI that swaps the manifest."""
+    store = RedisStore(redis_url, tiny_spec())
+    store.put("a", make_cache(store.spec, PREFIX + [1]))
+
+    def killed(_released: object) -> None:
+        raise _Killed
+
+    monkeypatch.setattr(store, "_collect_shared", killed)
+    with pytest.raises(_Killed):
+        store.put("a", make_cache(store.spec, tokens(40, seed=5)))  # replaces all 4 prefix blocks
+    client = redis.Redis.from_url(redis_url)
+    manifest = store.read_manifest("a")
+    assert manifest is not None
+    referenced = set(store._ref_keys("a", manifest.blocks, manifest.part_bytes))
+    assert redis_value_keys(client, store.prefix, persistent_only=True) == referenced
+    assert store.stats()["shared_collected"] == 4
+
+
+def test_collect_shared_garbage_finds_what_no_agent_uses(opener: Opener) -> None:
+    store = opener()
+    store.put("a", make_cache(store.spec, PREFIX + [1]))
+    if isinstance(store, DiskStore):
+        # A writer that published a block and died before its manifest: only the index links it.
+        path = next((store.root / "shared").rglob("*.safetensors"))
+        path.with_name("0badc0de.safetensors").write_bytes(path.read_bytes())
+    else:
+        assert isinstance(store, RedisStore)
+        # A reference set lost with a damaged manifest: the block is committed but nobody uses it.
+        manifest = store.read_manifest("a")
+        assert manifest is not None
+        store._client.delete(store._refs_key(manifest.blocks[0].name))
+    assert store.collect_shared_garbage() == 1
+    assert store.collect_shared_garbage() == 0
+    if isinstance(store, RedisStore):
+        assert store.get("a") is None  # the block it lost track of is gone: a counted miss
+        assert store.stats()["miss_missing_block"] == 1
+    else:
+        assert_same_cache(store.get("a"), make_cache(store.spec, PREFIX + [1]))
