@@ -1,6 +1,7 @@
 """Engine benchmarks: block gather/extract vs memcpy, pool alloc/free, engine vs raw BatchGenerator.
 
-Run: python benchmarks/bench_engine.py [--quick]   (re-execs itself with OpenBLAS on Linux)
+Run: python benchmarks/bench_engine.py [--quick] [--only blocks|throughput|joins|finish]
+(re-execs itself with OpenBLAS on Linux)
 Writes benchmarks/results/engine.json and prints markdown tables.
 """
 
@@ -205,6 +206,263 @@ def bench_throughput(concurrency: list[int], max_tokens: int) -> list[dict[str, 
     return rows
 
 
+class _NoEos:
+    """The tokenizer without end-of-sequence ids: synthetic caches hold random KV, and a
+    sequence that happened to sample EOS would leave the batch mid-measurement."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def synthetic_cache(spec: Any, n_tokens: int, seed: int) -> Any:
+    """An agent cache of n_tokens with random K/V: timing depends on sizes, not on values."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from engine.kv_convert import caches_to_blocks
+
+    mx.random.seed(seed)
+    layers = []
+    for _ in range(spec.n_layers):
+        layer = KVCache()
+        shape = (1, spec.n_kv_heads, n_tokens, spec.k_head_dim)
+        layer.state = (mx.random.normal(shape) * 0.5, mx.random.normal(shape) * 0.5, n_tokens)
+        layers.append(layer)
+        mx.eval(layer.state[:2])
+    tokens = [(1000 + 37 * i) % 40000 + 100 for i in range(n_tokens)]
+    return caches_to_blocks(layers, tokens, spec)
+
+
+def short_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Tell me a long story about object number {i}."}],
+                add_generation_prompt=True,
+            )
+        )
+        for i in range(n)
+    ]
+
+
+def bench_joins(joins: list[tuple[int, ...]], n_short: int, window: int) -> list[dict[str, Any]]:
+    """n_short sequences decoding, then agents with cached KV (and a 17-token suffix) join.
+
+    The engine (ragged batch) and raw mlx-lm BatchGenerator run side by side, one step each
+    in turn, so the machine's noise hits both alike. Per side: the batch's median step
+    without the joiners (before they join and after they are removed), the median step
+    with them, and how many steps / how long until each joiner's first token (also in units
+    of the median step without them)."""
+    from engine.model import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    no_eos = _NoEos(tokenizer)
+    shorts = short_prompts(tokenizer, n_short)
+    suffix = list(tokenizer.encode(" And now, please continue the story where we left it."))[:17]
+    params = SamplingParams(max_tokens=1000, stop_tokens=())
+    join_params = SamplingParams(max_tokens=100, stop_tokens=())
+    context = 8192  # SmolLM2's: the largest joiner is cut to fit its suffix and output
+    rows = []
+    for sizes in joins:
+        sizes = tuple(min(n, context - len(suffix) - join_params.max_tokens) for n in sizes)
+        caches = [synthetic_cache_for(model, size, seed) for seed, size in enumerate(sizes)]
+        drivers: dict[str, _EngineDriver | _RawDriver] = {
+            "engine": _EngineDriver(model, no_eos, shorts, suffix, params, join_params),
+            "raw": _RawDriver(model, shorts, suffix, params.max_tokens, join_params.max_tokens),
+        }
+        for driver in drivers.values():
+            while len(driver.step()) < n_short:
+                pass
+        without: dict[str, list[float]] = {kind: [] for kind in drivers}
+        with_joiners: dict[str, list[float]] = {kind: [] for kind in drivers}
+
+        def window_of(into: dict[str, list[float]], drivers: dict[str, Any] = drivers) -> None:
+            for _ in range(window):
+                for kind, driver in drivers.items():
+                    into[kind] += timed(driver.step, 1)
+
+        window_of(without)
+        started: dict[str, float] = {}
+        joined: dict[str, list[int]] = {}
+        first: dict[str, dict[int, tuple[int, float]]] = {kind: {} for kind in drivers}
+        for kind, driver in drivers.items():
+            started[kind] = time.perf_counter()
+            joined[kind] = [driver.join(c) for c in caches]
+            steps = 0
+            while len(first[kind]) < len(caches) and steps < 50:
+                got = driver.step()
+                steps += 1
+                for uid in joined[kind]:
+                    if uid in got and uid not in first[kind]:
+                        first[kind][uid] = (steps, time.perf_counter() - started[kind])
+        window_of(with_joiners)
+        for kind, driver in drivers.items():
+            for uid in joined[kind]:
+                driver.remove(uid)
+        window_of(without)
+        row: dict[str, Any] = {"joiners": "+".join(str(n) for n in sizes)}
+        for kind, driver in drivers.items():
+            driver.close()
+            base = statistics.median(without[kind])
+            row[f"{kind}_step_ms_without"] = ms(base)
+            row[f"{kind}_step_ms_with"] = ms(statistics.median(with_joiners[kind]))
+            row[f"{kind}_step_ratio"] = round(statistics.median(with_joiners[kind]) / base, 2)
+            row[f"{kind}_first_token_steps"] = max(n for n, _ in first[kind].values())
+            worst = max(t for _, t in first[kind].values())
+            row[f"{kind}_first_token_ms"] = ms(worst)
+            row[f"{kind}_first_token_in_steps"] = round(worst / base, 1)
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+class _EngineDriver:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        shorts: list[list[int]],
+        suffix: list[int],
+        params: Any,
+        join_params: Any,
+    ) -> None:
+        from engine.engine import BlockPoolBatchEngine
+
+        self.engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", pool_mb=6000)
+        self.suffix, self.join_params = suffix, join_params
+        for p in shorts:
+            self.engine.submit(None, p, params)
+
+    def step(self) -> set[int]:
+        return {d.uid for d in self.engine.step().deltas}
+
+    def join(self, cache: Any) -> int:
+        return self.engine.submit("agent", cache.token_ids + self.suffix, self.join_params, cache=cache)
+
+    def remove(self, uid: int) -> None:
+        self.engine.cancel(uid)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _RawDriver:
+    """mlx-lm's BatchGenerator as the issue measured it: the joiner's KVCache goes in with insert."""
+
+    def __init__(
+        self, model: Any, shorts: list[list[int]], suffix: list[int], max_tokens: int, join_max_tokens: int
+    ) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        self.generator = BatchGenerator(
+            model, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512
+        )
+        self.generator.insert(shorts, max_tokens=[max_tokens] * len(shorts))
+        self.suffix, self.max_tokens = suffix, join_max_tokens
+
+    def step(self) -> set[int]:
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        responses = self.generator.next()[1]
+        # next() leaves the next step computing on its own stream: count it here, not in the engine's time
+        mx.synchronize(generation_stream)
+        return {r.uid for r in responses}
+
+    def join(self, cache: Any) -> int:
+        from engine.kv_convert import blocks_to_caches
+
+        layers = blocks_to_caches(cache, cache.n_tokens)
+        (uid,) = self.generator.insert(
+            [self.suffix], max_tokens=[self.max_tokens], caches=[layers], all_tokens=[cache.token_ids]
+        )
+        return int(uid)
+
+    def remove(self, uid: int) -> None:
+        self.generator.remove([uid])
+
+    def close(self) -> None:
+        self.generator.close()
+
+
+def synthetic_cache_for(model: Any, n_tokens: int, seed: int) -> Any:
+    from engine.spec import spec_from_model
+
+    return synthetic_cache(spec_from_model(model, "smollm2-135m"), n_tokens, seed)
+
+
+def bench_finish_burst(n_rows: int, n_tokens: int, max_tokens: int, n_running: int = 4) -> dict[str, Any]:
+    """n_running short sequences keep decoding while n_rows agents with n_tokens cached each
+    all end at the same step. The longest step of the running batch from that step until
+    every completion (its cache cut into blocks) has come out, against the median step
+    before; the same with keep_cache=False (nothing to cut). Two bursts: the first cuts into
+    fresh memory, the second into BlockSlab slots the first burst's dropped caches gave back
+    (a worker's steady state once its store has written and dropped earlier caches)."""
+    import numpy as np
+
+    from engine.engine import BlockPoolBatchEngine
+    from engine.model import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    cache = synthetic_cache_for(model, n_tokens, 0)
+    result: dict[str, Any] = {"ending_rows": n_rows, "tokens_each": n_tokens, "running_rows": n_running}
+    src = np.random.rand(n_rows * cache.nbytes // 8)
+    dst = np.empty_like(src)
+    copies: list[float] = []
+    for keep in (True, False):
+        eng = BlockPoolBatchEngine(model, _NoEos(tokenizer), model_name="smollm2-135m", pool_mb=6000)
+        running = [
+            eng.submit(None, p, SamplingParams(max_tokens=1000)) for p in short_prompts(tokenizer, n_running)
+        ]
+        while len(eng.step().deltas) < n_running:
+            pass
+        for burst in ("first", "steady"):
+            before = timed(eng.step, 5)
+            ending = {
+                eng.submit(
+                    f"a{i}",
+                    cache.token_ids + [100 + i],
+                    SamplingParams(max_tokens=max_tokens),
+                    cache=cache,
+                    keep_cache=keep,
+                )
+                for i in range(n_rows)
+            }
+            copies += timed(lambda: np.copyto(dst, src), 1)  # the same bytes, warm memory, same moment
+            eng.step()  # the agents join (their gather ran in submit) and get their first tokens
+            during, steps, cut = [], 0, 0  # from here: their last tokens, then their caches cut
+            while ending:
+                start = time.perf_counter()
+                out = eng.step()
+                during.append(time.perf_counter() - start)
+                steps += 1
+                assert set(running) <= {d.uid for d in out.deltas}, "a running sequence missed a step"
+                for completion in out.completions:
+                    ending.discard(completion.uid)
+                    cut += completion.cache.nbytes if completion.cache is not None else 0
+                del out
+            label = "cut" if keep else "no_cut"
+            result[f"{label}_{burst}_median_step_ms"] = ms(statistics.median(before))
+            result[f"{label}_{burst}_longest_step_ms"] = ms(max(during))
+            result[f"{label}_{burst}_steps_to_all_completions"] = steps  # max_tokens - 1 at least
+            if keep:
+                result["mb_cut"] = round(cut / 1e6, 1)
+        for uid in running:
+            eng.cancel(uid)
+        eng.close()
+    result["memcpy_ms_same_bytes"] = ms(statistics.median(copies))
+    for burst in ("first", "steady"):
+        longest, median = result[f"cut_{burst}_longest_step_ms"], result[f"cut_{burst}_median_step_ms"]
+        result[f"{burst}_longest_vs_median_step"] = round(longest / median, 2)
+    print(result, flush=True)
+    return result
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -216,19 +474,29 @@ def main() -> None:
     ensure_fast_blas()
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats, fewer tokens")
-    parser.add_argument("--blocks-only", action="store_true", help="skip the model throughput part")
+    parts = ("blocks", "throughput", "joins", "finish")
+    parser.add_argument("--only", choices=parts, action="append", help="run only these parts")
     args = parser.parse_args()
+    only = set(args.only or parts)
     repeat = 5 if args.quick else 15
-    blocks = bench_blocks(repeat)
-    print(table(blocks), flush=True)
-    pool = bench_pool()
-    print(table([pool]), flush=True)
-    if args.blocks_only:
-        return
-    throughput = bench_throughput([1, 4, 16], 32 if args.quick else 64)
-    print(table(throughput))
+    results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if "blocks" in only:
+        results["blocks"] = bench_blocks(repeat)
+        print(table(results["blocks"]), flush=True)
+        results["pool"] = bench_pool()
+        print(table([results["pool"]]), flush=True)
+    if "throughput" in only:
+        results["throughput"] = bench_throughput([1, 4, 16], 32 if args.quick else 64)
+        print(table(results["throughput"]), flush=True)
+    if "joins" in only:
+        joins = [(1024,), (2048,), (4096,), (8192,), (2048, 4096)]
+        results["joins"] = bench_joins(joins, n_short=8, window=5 if args.quick else 8)
+        print(table(results["joins"]), flush=True)
+    if "finish" in only:
+        results["finish_burst"] = bench_finish_burst(8, 2048, 6)
+        print(table([results["finish_burst"]]), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"blocks": blocks, "pool": pool, "throughput": throughput}, indent=2))
+    RESULTS.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
