@@ -2,7 +2,7 @@
 prefill on the builtin model, and what KV quantization at rest costs in size and in output.
 
 Run: LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 python benchmarks/bench_store.py
-     [--quick] [--only disk,redis,resume,quant] [--redis-url redis://127.0.0.1:6379/0] [--dir PATH]
+     [--quick] [--only disk,redis,shared,resume,quant] [--redis-url redis://127.0.0.1:6379/0] [--dir PATH]
 (the script also re-execs itself with OpenBLAS preloaded when it is installed and not loaded).
 Writes benchmarks/results/store.json and prints markdown tables.
 """
@@ -88,6 +88,17 @@ def random_cache(spec: Any, n_tokens: int, seed: int = 0) -> Any:
     return AgentCache(spec, token_ids, blocks)
 
 
+def fresh_tokens(cache: Any, seed: int) -> Any:
+    """The same KV under other token ids: blocks no agent stored before, so a put writes them all
+    (with the same tokens, the store would link the blocks an earlier put stored: shared prefixes)."""
+    import numpy as np
+
+    from engine.blocks import AgentCache
+
+    token_ids = [int(t) for t in np.random.default_rng(10_000 + seed).integers(0, 49152, size=cache.n_tokens)]
+    return AgentCache(cache.spec, token_ids, cache.blocks)
+
+
 def block_blobs(cache: Any) -> list[bytes]:
     """The same bytes the store writes for each block, as ready-made values for the baselines."""
     from store.block_codec import encode_block
@@ -130,7 +141,8 @@ def bench_disk(sizes: list[int], repeat: int, root: Path) -> list[dict]:
             counter = iter(range(10**6))
 
             def put(s: DiskStore = store, c: Any = cache, n: Any = counter) -> None:
-                s.put(f"agent-{next(n)}", c)  # a new agent each time: every block is written
+                i = next(n)  # a new agent with new tokens each time: every block is written
+                s.put(f"agent-{i}", fresh_tokens(c, i))
 
             def write(p: Path = plain, b: bytes = blob, sync: bool = fsync) -> None:
                 with open(p, "wb") as f:
@@ -203,7 +215,8 @@ def bench_redis(sizes: list[int], repeat: int, url: str) -> list[dict]:
         counter = iter(range(10**6))
 
         def put(s: RedisStore = store, c: Any = cache, n: Any = counter) -> None:
-            s.put(f"agent-{next(n)}", c)
+            i = next(n)
+            s.put(f"agent-{i}", fresh_tokens(c, i))
 
         put_s, set_s = paired(put, raw_set, repeat, setup=clear)
         rows.append(row("redis", n_tokens, nbytes, "put", put_s, set_s) | {"values": len(values)})
@@ -212,6 +225,67 @@ def bench_redis(sizes: list[int], repeat: int, url: str) -> list[dict]:
         get_s, rawget_s = paired(functools.partial(store.get, "reader"), raw_get, repeat)
         rows.append(row("redis", n_tokens, nbytes, "get", get_s, rawget_s) | {"values": len(values)})
         clear()
+        store.close()
+    return rows
+
+
+# --- shared prefixes ---------------------------------------------------------------------------
+def bench_shared(prefix_tokens: int, agents: int, url: str, root: Path) -> list[dict]:
+    """`agents` agents whose caches share a `prefix_tokens`-token prefix (each + 300 own tokens):
+    what the store holds and writes, and a newcomer's warm start (get with a prompt, no cache of its
+    own) against an agent's get of its own cache of the same length."""
+    import numpy as np
+
+    from engine.blocks import AgentCache
+    from store.disk import DiskStore
+    from store.redis_store import RedisStore
+
+    spec = smollm2_spec()
+    base = random_cache(spec, prefix_tokens + 300)
+    prefix_ids = base.token_ids[:prefix_tokens]
+    n_prefix_blocks = prefix_tokens // spec.block_tokens
+    rows = []
+    for kind in ("disk", "redis"):
+        store: Any = (
+            DiskStore(root / "shared-bench", spec)
+            if kind == "disk"
+            else RedisStore(url, spec, prefix="kvrq:bench:shared:")
+        )
+        put_s = []
+        for i in range(agents):
+            own = [int(t) for t in np.random.default_rng(i).integers(0, 49152, size=300)]
+            cache = AgentCache(spec, prefix_ids + own, base.blocks)  # same KV: the prefix blocks are equal
+            start = time.perf_counter()
+            store.put(f"agent-{i}", cache)
+            put_s.append(time.perf_counter() - start)
+        stats = store.stats()
+        total = sum(store.info(f"agent-{i}").nbytes for i in range(agents))  # what each agent references
+        prompt = prefix_ids + [7] * 50
+        warm_s, own_s = paired(
+            functools.partial(store.get, "newcomer", prompt_tokens=prompt),
+            functools.partial(store.get, "agent-0", prompt_tokens=prefix_ids + [7]),
+            5,
+        )
+        got = store.get("newcomer", prompt_tokens=prompt)
+        assert got is not None and got.n_tokens == n_prefix_blocks * spec.block_tokens
+        rows.append(
+            {
+                "backend": kind,
+                "agents": agents,
+                "prefix_tokens": prefix_tokens,
+                "referenced_mb": round(total / 1e6, 1),
+                "written_mb": round(stats["bytes_written"] / 1e6, 1),
+                "saved_mb": round(stats["bytes_saved"] / 1e6, 1),
+                "first_put_s": round(put_s[0], 3),
+                "later_put_s": round(statistics.median(put_s[1:]), 3),
+                "warm_start_get_s": round(min(warm_s), 3),
+                "own_get_s": round(min(own_s), 3),
+                "warm_vs_own": round(min(own_s) / min(warm_s), 3),
+                "cross_agent_hits": store.stats()["cross_agent_hits"],
+            }
+        )
+        for i in range(agents):
+            store.delete(f"agent-{i}")
         store.close()
     return rows
 
@@ -463,7 +537,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller sizes")
-    parser.add_argument("--only", default="disk,redis,resume,quant", help="comma-separated sections")
+    parser.add_argument("--only", default="disk,redis,shared,resume,quant", help="comma-separated sections")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--dir", default=None, help="directory for the disk benchmark (default: a temp dir)")
     parser.add_argument("--output", default=str(RESULTS))
@@ -497,6 +571,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n## Redis (best of {repeat}; plain = raw pipelined SET/GET of the same values)\n")
             columns = ["tokens", "mb", "values", "op", "store_gbps", "plain_gbps", "ratio"]
             print(table(results["redis"], columns))
+        if "shared" in sections:
+            results["shared"] = bench_shared(1024 if args.quick else 4096, 8, args.redis_url, root)
+            print("\n## Shared prefixes (8 agents, one prefix, 300 own tokens each)\n")
+            columns = [
+                "backend",
+                "prefix_tokens",
+                "referenced_mb",
+                "written_mb",
+                "saved_mb",
+                "first_put_s",
+                "later_put_s",
+                "warm_start_get_s",
+                "own_get_s",
+                "warm_vs_own",
+            ]
+            print(table(results["shared"], columns))
         if sections & {"resume", "quant"}:
             engine = load_engine()
             if "resume" in sections:

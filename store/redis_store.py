@@ -345,16 +345,20 @@ class RedisStore(BlockBackend):
     def _write_blocks(self, agent_id: str, plan: WritePlan) -> builtins.list[NewBlock]:
         """SET the new blocks on their provisional expiry; returns the shared ones already stored.
 
-        A shared block's values are SET only where absent (NX): a stored version of the same
-        bytes is never overwritten or given an expiry again. On failure (Redis full, connection
-        lost) remove what was written, best effort: the provisional expiry covers the rest.
+        Shared blocks some agent already stored are not sent at all (one pipelined EXISTS finds
+        them); the rest are SET only where absent (NX): a stored version of the same bytes is never
+        overwritten or given an expiry again. On failure (Redis full, connection lost) remove what
+        was written, best effort: the provisional expiry covers the rest.
         """
+        linked = self._stored_shared(agent_id, plan.new_blocks)
         owners: builtins.list[NewBlock | None] = []  # the block of each SET reply; None: not shared
         replies: builtins.list[Any] = []
         try:
             pipe = self._client.pipeline(transaction=False)
             queued = 0
             for block in plan.new_blocks:
+                if any(block is stored for stored in linked):
+                    continue
                 keys = self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
                 values = split_parts(block.encoded.parts(), self.part_bytes)
                 shared = block.share is not None
@@ -370,8 +374,25 @@ class RedisStore(BlockBackend):
             with contextlib.suppress(RedisError):
                 self._discard(agent_id, plan)
             raise
+        # A shared block all of whose values were there already (NX set none) was stored meanwhile.
         written = {id(block) for block, reply in zip(owners, replies, strict=True) if block and reply}
-        return [b for b in plan.new_blocks if b.share is not None and id(b) not in written]
+        raced = {id(block) for block in owners if block is not None} - written
+        return linked + [b for b in plan.new_blocks if id(b) in raced]
+
+    def _stored_shared(self, agent_id: str, blocks: Sequence[NewBlock]) -> builtins.list[NewBlock]:
+        """The shared blocks among `blocks` whose values are all stored already."""
+        shared = [block for block in blocks if block.share is not None]
+        if not shared:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for block in shared:
+            pipe.exists(*self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes))
+        counts = pipe.execute()
+        return [
+            block
+            for block, count in zip(shared, counts, strict=True)
+            if count == len(self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes))
+        ]
 
     def _commit(
         self,
