@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from producer.protocol import worker_alive_key
 from tests.worker.chaos_checks import attempts, crash_reruns
 from tests.worker.fakes import FakeEngine
@@ -55,3 +57,25 @@ def test_after_an_outage_a_worker_does_not_rerun_a_live_peers_jobs() -> None:
         checker.request_stop()
         checker.request_stop()  # hand back at once
         runner.join(timeout=10)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: rerun_crashed's forget_worker deletes the rq record of a worker that was only cut off "
+    "(its liveness key expired while it could not reach Redis); back, it heartbeats a partial hash but "
+    "never re-registers in rq:workers, so rq info, kvrq status and producers' live-worker checks miss it",
+)
+def test_a_worker_cut_off_and_taken_for_dead_registers_again_when_back() -> None:
+    h = Harness(crash_check_interval=0.05)
+    cut_off = h.loop
+    h.producer.submit({"prompt": "x", "max_tokens": 200})
+    h.run_until(lambda: cut_off.counts["tokens"] >= 1)  # it holds a job
+    other = h.new_loop(FakeEngine())
+    h.redis.delete(worker_alive_key(cut_off.worker.name))  # it could not refresh its key
+    other.run_once()  # takes it for dead
+    assert not h.redis.sismember("rq:workers", cut_off.worker.key)
+    for _ in range(5):  # back: its loop and beacon run again
+        cut_off.beacon.beat()
+        cut_off.next_heartbeat = 0.0
+        cut_off.run_once()
+    assert h.redis.sismember("rq:workers", cut_off.worker.key)
