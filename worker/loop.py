@@ -633,6 +633,10 @@ class WorkerLoop:
     # ---- liveness ----------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
+        if rqexec.register_again(self.worker):
+            log.warning(
+                "worker %s had been taken for dead (cut off from Redis): registered again", self.worker.name
+            )
         held = self.scheduler.all()
         signals = rqexec.heartbeat(self.worker, [(h.job, h.execution) for h in held], self.worker_fields())
         for agent in self.turns.refresh():

@@ -229,6 +229,15 @@ def heartbeat(
     return signals
 
 
+def register_again(worker: KvrqWorker) -> bool:
+    """Put the worker back in rq's registry if another worker took it for dead and removed it (True)."""
+    if worker.connection.sismember(REDIS_WORKER_KEYS, worker.key):
+        return False
+    worker.connection.delete(worker.key)  # a partial hash left by heartbeats since
+    worker.register_birth()
+    return True
+
+
 def set_busy(worker: KvrqWorker, busy: bool) -> None:
     state = WorkerStatus.BUSY if busy else WorkerStatus.IDLE
     if worker.get_state() != state:

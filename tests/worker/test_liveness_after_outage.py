@@ -10,8 +10,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from producer.protocol import worker_alive_key
 from tests.worker.chaos_checks import attempts, crash_reruns
 from tests.worker.fakes import FakeEngine
@@ -59,12 +57,6 @@ def test_after_an_outage_a_worker_does_not_rerun_a_live_peers_jobs() -> None:
         runner.join(timeout=10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: rerun_crashed's forget_worker deletes the rq record of a worker that was only cut off "
-    "(its liveness key expired while it could not reach Redis); back, it heartbeats a partial hash but "
-    "never re-registers in rq:workers, so rq info, kvrq status and producers' live-worker checks miss it",
-)
 def test_a_worker_cut_off_and_taken_for_dead_registers_again_when_back() -> None:
     h = Harness(crash_check_interval=0.05)
     cut_off = h.loop
