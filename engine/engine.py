@@ -5,7 +5,9 @@ A backend does the batching (engine/backends.py): the ragged batch (engine/ragge
 per-row KV, chunked prefill between decode steps, warm agents join without padding
 anyone) for the architectures it is verified on, mlx-lm's BatchGenerator for the rest.
 This class adds validation, block budgets, prefix reuse from an agent's saved cache,
-stop strings, incremental text, and the cut of each finished sequence's KV into blocks.
+stop strings, incremental text, and the cut of each finished sequence's KV into blocks
+(on a background thread, so a burst of endings never stalls the batch: a completion can
+come a few steps after its last token, and has_work() stays true until it has).
 """
 
 from __future__ import annotations
