@@ -29,4 +29,3 @@ def make_sampler(params: SamplingParams) -> Sampler | None:
         return mx.random.categorical(logprobs * (1 / temperature), key=subkey)
 
     return sample
-

@@ -49,6 +49,7 @@ def serve(settings: WorkerSettings) -> int:
         pool_mb=settings.pool_mb,
         max_batch=settings.max_batch,
         prefill_step_size=settings.prefill_step_size,
+        prefill_tokens_per_step=settings.prefill_tokens_per_step,
     )
     store = open_store(
         settings.store_uri(),

@@ -40,7 +40,12 @@ class WorkerSettings(BaseSettings):
         default=None, gt=0, description="KV block pool size in blocks (wins over MB)"
     )
     max_batch: int = Field(default=16, gt=0, description="sequences decoded together")
-    prefill_step_size: int = Field(default=512, gt=0, description="prompt tokens per prefill chunk")
+    prefill_tokens_per_step: int = Field(
+        default=256, gt=0, description="prompt tokens run between two decode steps (chunked prefill)"
+    )
+    prefill_step_size: int = Field(
+        default=512, gt=0, description="prompt tokens per prefill chunk on the BatchGenerator path"
+    )
     name: str | None = Field(default=None, description="rq worker name (default: kvrq.HOST.PID.xxxx)")
     max_held: int | None = Field(
         default=None, gt=0, description="jobs held at once, running or waiting (default 2 x max_batch)"
