@@ -197,8 +197,9 @@ def warm_vs_cold(
             {"role": "user", "content": "And in winter?"},
         ]
         warm_s, warm_result = first_token(producer, {"agent_id": agent, "messages": turn2, "max_tokens": 1})
-        fresh = f"bench-{uuid.uuid4().hex[:8]}"
-        cold_s, cold_result = first_token(producer, {"agent_id": fresh, "messages": turn2, "max_tokens": 1})
+        # Cold: the same prompt with no agent, so no store (another agent's shared prefix blocks would
+        # otherwise warm-start a fresh agent).
+        cold_s, cold_result = first_token(producer, {"messages": turn2, "max_tokens": 1})
         assert cold_result.usage.reused_tokens == 0
         warm.append(warm_s)
         cold.append(cold_s)
