@@ -349,6 +349,13 @@ def throughput(
 
 
 def print_table(report: dict[str, Any]) -> None:
+    if "throughput" in report and "queue_overhead" in report:
+        print_throughput(report)
+    if "warm_vs_cold" in report:
+        print_warm(report)
+
+
+def print_throughput(report: dict[str, Any]) -> None:
     t = report["throughput"]
     print(
         f"\n{t['jobs']} concurrent jobs, {t['max_tokens']} max tokens, {report['machine']['cpus']} CPUs, "
@@ -374,6 +381,9 @@ def print_table(report: dict[str, Any]) -> None:
         f"p95 {q['overhead_ms']['p95']:.1f} ms (enqueue to first token p50 "
         f"{q['enqueue_to_first_token_ms']['p50']:.1f} ms)"
     )
+
+
+def print_warm(report: dict[str, Any]) -> None:
     print(
         "\n| history | store | prompt tokens | reused | cold first token | warm first token | speedup "
         "| warm: cache load / engine |"
