@@ -39,6 +39,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             "these tests load the real model but are not marked slow: " + ", ".join(unmarked)
         )
+    deselect_chaos(config, items)
+
+
+def deselect_chaos(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`chaos` tests (many kill -9 rounds, long outages, 1,000 fuzzed jobs: minutes) run only when asked
+    for with `-m chaos`; otherwise they are deselected (not run, not counted as skipped)."""
+    if "chaos" in (config.getoption("markexpr") or ""):
+        return
+    chaos = [item for item in items if item.get_closest_marker("chaos") is not None]
+    if chaos:
+        config.hook.pytest_deselected(items=chaos)
+        items[:] = [item for item in items if item.get_closest_marker("chaos") is None]
 
 
 def in_ci() -> bool:

@@ -22,16 +22,6 @@ from store.redis_store import RedisStore
 BLOCK_TOKENS = 16
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`chaos` tests (many kill -9 rounds, minutes) run only when asked for: `-m chaos`."""
-    if "chaos" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="many kill -9 rounds: select with -m chaos")
-    for item in items:
-        if item.get_closest_marker("chaos") is not None:
-            item.add_marker(skip)
-
-
 def tiny_spec(
     dtype: str = "float32", *, name: str = "tiny", layers: int = 3, block_tokens: int = BLOCK_TOKENS
 ) -> ModelCacheSpec:

@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
+from redis.exceptions import RedisError
 
 from tests.worker.stackhelp import (
     ShellCommand,
@@ -47,7 +51,9 @@ def check_stack_and_stop(run: ShellCommand, redis_port: int, dashboard_port: int
         run.wait_for(lambda: accepts(redis_port), 30, "Redis did not start")
         assert Redis.from_url(redis_url).ping()
         ours = lambda: [w for w in rq_workers(redis_url) if w.pid in descendants(run.proc.pid)]  # noqa: E731
-        run.wait_for(lambda: bool(ours()), STARTUP_S, "no worker registered")
+        # Until a worker registers, a Redis that went away means the command stopped: say what it printed.
+        registered = lambda: bool(_or_none(ours))  # noqa: E731
+        run.wait_for(registered, STARTUP_S, "no worker registered")
         worker = ours()[0]
         assert "kvrq" in [q.name for q in worker.queues]
         base = f"http://127.0.0.1:{dashboard_port}"
@@ -81,11 +87,23 @@ def test_readme_kvrq_up_runs_the_stack_and_ctrl_c_stops_everything(tmp_path: Pat
 
 def test_readme_honcho_command_runs_the_procfile(tmp_path: Path) -> None:
     command = readme_command(r"KVRQ_REDIS_PORT=6390 \.venv/bin/honcho start")
-    redis_port, dashboard_port = free_port(), free_port()
-    run = ShellCommand(
-        with_port(command, redis_port), like_a_clone(tmp_path), {"KVRQ_DASHBOARD_PORT": str(dashboard_port)}
-    )
-    check_stack_and_stop(run, redis_port, dashboard_port)
+    for attempt in (1, 2):
+        redis_port, dashboard_port = free_port(), free_port()
+        clone = tmp_path / f"attempt-{attempt}"
+        clone.mkdir()
+        run = ShellCommand(
+            with_port(command, redis_port), like_a_clone(clone), {"KVRQ_DASHBOARD_PORT": str(dashboard_port)}
+        )
+        try:
+            check_stack_and_stop(run, redis_port, dashboard_port)
+            break
+        except AssertionError as exc:
+            # honcho stops every process when one exits. Once in a full CI run (unreproduced alone or
+            # under load) it stopped before the worker registered; a free port taken by another test
+            # between free_port() and the bind would do that. Once more, with new ports, and show why.
+            if attempt == 2 or "the command exited" not in str(exc):
+                raise
+            print(f"honcho attempt 1 stopped early, retrying with new ports:\n{exc}", file=sys.stderr)
     assert "not found" not in run.log()
 
 
@@ -100,3 +118,10 @@ def test_kvrq_up_on_a_taken_port_says_so_and_starts_nothing(tmp_path: Path) -> N
         assert run.proc.wait(timeout=60) == 2
     assert f"127.0.0.1:{port} is already in use" in run.log() and "--redis-port" in run.log()
     assert not (tmp_path / ".kvrq").exists()
+
+
+def _or_none(probe: Callable[[], list[Any]]) -> list[Any]:
+    try:
+        return probe()
+    except RedisError:
+        return []
