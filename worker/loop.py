@@ -476,6 +476,10 @@ class WorkerLoop:
             self.scheduler.agent_done(held)  # its cache is in the store: the agent's next job may start
             steps.add("cache")
         if "stream" not in steps:
+            if isinstance(outcome, Finished) and not rqexec.owns_execution(
+                self.connection, held.job, held.execution
+            ):
+                outcome = TakenOver(None)  # re-run elsewhere meanwhile: its stream and result are that run's
             self._publish_ending(held.job, outcome, held)
             steps.add("stream")
         if "rq" not in steps:
