@@ -28,6 +28,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reject_unmarked_real_model_tests(items)
+    deselect_chaos(config, items)
+
+
+def reject_unmarked_real_model_tests(items: list[pytest.Item]) -> None:
     """`-m "not slow"` must never load the real model: a test asking for it unmarked is an error."""
     unmarked = [
         item.nodeid
@@ -39,7 +44,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             "these tests load the real model but are not marked slow: " + ", ".join(unmarked)
         )
-    deselect_chaos(config, items)
 
 
 def deselect_chaos(config: pytest.Config, items: list[pytest.Item]) -> None:

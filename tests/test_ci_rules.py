@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import pytest_collection_modifyitems, require_binary
+from tests.conftest import deselect_chaos, reject_unmarked_real_model_tests, require_binary
 
 
 def test_a_missing_tool_skips_locally_and_fails_under_ci(
@@ -43,6 +43,31 @@ class FakeItem:
 
 def test_a_test_using_the_real_model_must_be_marked_slow() -> None:
     fine = [FakeItem("a", ["smollm2"], {"slow"}), FakeItem("b", ["tmp_path"])]
-    pytest_collection_modifyitems(None, fine)  # type: ignore[arg-type]
+    reject_unmarked_real_model_tests(fine)  # type: ignore[arg-type]
     with pytest.raises(pytest.UsageError, match="not marked slow: c"):
-        pytest_collection_modifyitems(None, [*fine, FakeItem("c", ["engine", "smollm2"])])  # type: ignore[arg-type]
+        reject_unmarked_real_model_tests([*fine, FakeItem("c", ["engine", "smollm2"])])  # type: ignore[list-item]
+
+
+class FakeConfig:
+    def __init__(self, markexpr: str) -> None:
+        self.markexpr = markexpr
+        self.deselected: list[object] = []
+        self.hook = self
+
+    def getoption(self, name: str) -> str:
+        assert name == "markexpr"
+        return self.markexpr
+
+    def pytest_deselected(self, items: list[object]) -> None:
+        self.deselected += items
+
+
+def test_chaos_tests_run_only_when_asked_for() -> None:
+    quick, chaos = FakeItem("quick", []), FakeItem("loop", [], {"chaos"})
+    items = [quick, chaos]
+    config = FakeConfig("")
+    deselect_chaos(config, items)  # type: ignore[arg-type]
+    assert items == [quick] and config.deselected == [chaos]
+    items = [quick, chaos]
+    deselect_chaos(FakeConfig("chaos"), items)  # type: ignore[arg-type]
+    assert items == [quick, chaos]
