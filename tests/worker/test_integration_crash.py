@@ -35,20 +35,6 @@ QUESTION = [{"role": "user", "content": "Describe the sea in a few words."}]
 FOLLOW_UP = {"role": "user", "content": "And the sky?"}
 
 
-@pytest.fixture
-def redis_proc(tmp_path: Path) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path)
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def producer(redis_proc: RedisProcess) -> Iterator[Producer]:
-    with Producer(redis_proc.url) as p:
-        yield p
-
-
 class Fleet:
     """The workers a test starts (all killed at its end), named in start order."""
 

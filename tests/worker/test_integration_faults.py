@@ -25,20 +25,6 @@ ENDED = ("finished", "failed", "canceled")
 
 
 @pytest.fixture
-def redis_proc(tmp_path: Path) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path)
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def producer(redis_proc: RedisProcess) -> Iterator[Producer]:
-    with Producer(redis_proc.url) as p:
-        yield p
-
-
-@pytest.fixture
 def workers() -> Iterator[list[WorkerProcess]]:
     started: list[WorkerProcess] = []
     yield started
