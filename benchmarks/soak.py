@@ -29,7 +29,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from redis import Redis  # noqa: E402
+
 from producer.client import JobFailedError, Producer  # noqa: E402
+from producer.protocol import MEMORY_FIELD  # noqa: E402
 from tests.worker.procs import RedisProcess, WorkerProcess  # noqa: E402
 
 SYSTEM = "You are a ship's log keeper. Answer in a few words."
@@ -47,11 +50,16 @@ def vm_rss_mb(pid: int) -> float | None:
 
 
 class RssSampler(threading.Thread):
-    def __init__(self, pid: int, every_s: float) -> None:
+    """The worker's VmRSS every `every_s`, and the breakdown it publishes in its rq worker hash."""
+
+    def __init__(self, pid: int, every_s: float, redis_url: str, worker_name: str) -> None:
         super().__init__(daemon=True)
         self.pid = pid
         self.every_s = every_s
         self.samples: list[tuple[float, float]] = []  # (monotonic, MB)
+        self.breakdowns: list[tuple[float, dict[str, float]]] = []  # (monotonic, MB by kind)
+        self._connection = Redis.from_url(redis_url)
+        self._key = f"rq:worker:{worker_name}"
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -59,6 +67,9 @@ class RssSampler(threading.Thread):
             rss = vm_rss_mb(self.pid)
             if rss is not None:
                 self.samples.append((time.monotonic(), rss))
+            published = self._connection.hget(self._key, MEMORY_FIELD)
+            if published:
+                self.breakdowns.append((time.monotonic(), json.loads(published)))
             self._halt.wait(self.every_s)
 
     def stop(self) -> None:
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             worker.start()
             assert worker.proc is not None
-            sampler = RssSampler(worker.proc.pid, args.sample)
+            sampler = RssSampler(worker.proc.pid, args.sample, redis.url, worker.name)
             sampler.start()
             time.sleep(args.sample)
             rss_idle = vm_rss_mb(worker.proc.pid)
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.stop()
             redis.stop()
 
-    report = summarize(args, jobs, finished, failed, wall, sampler.samples, rss_idle, disk_mb)
+    report = summarize(args, jobs, finished, failed, wall, sampler, rss_idle, disk_mb)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -155,10 +166,11 @@ def summarize(
     finished: list[dict[str, Any]],
     failed: int,
     wall: float,
-    samples: list[tuple[float, float]],
+    sampler: RssSampler,
     rss_idle: float | None,
     disk_mb: float,
 ) -> dict[str, Any]:
+    samples = sampler.samples
     finished.sort(key=lambda f: f["done_at"])
     tenths = []
     size = max(1, len(finished) // 10)
@@ -169,6 +181,7 @@ def summarize(
         part = finished[i : i + size]
         start, end = part[0]["done_at"], part[-1]["done_at"]
         window = [mb for t, mb in samples if start <= wall_start + (t - s0) <= end]
+        published = [b for t, b in sampler.breakdowns if start <= wall_start + (t - s0) <= end]
         tenths.append(
             {
                 "jobs": f"{i + 1}-{i + len(part)}",
@@ -179,6 +192,7 @@ def summarize(
                     sum(f["reused"] for f in part) / max(1, sum(f["prompt"] for f in part)), 2
                 ),
                 "rss_mb_max": round(max(window), 0) if window else None,
+                "breakdown_mb_last": published[-1] if published else None,
             }
         )
     rss = [mb for _, mb in samples]
@@ -214,12 +228,17 @@ def print_report(report: dict[str, Any]) -> None:
         f"store on disk {report['store_on_disk_mb']} MB"
     )
     print(f"worker RSS: idle {report['rss_mb_idle']:.0f} MB, max {report['rss_mb_max']:.0f} MB\n")
-    print("| jobs (finishing order) | ended at s | jobs/s | engine time p50 s | reused share | RSS max MB |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| jobs (finishing order) | ended at s | jobs/s | engine time p50 s | reused share | RSS max MB "
+        "| worker's own breakdown, MB (last in the tenth) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for t in report["tenths"]:
+        parts = t.get("breakdown_mb_last") or {}
+        breakdown = ", ".join(f"{kind} {mb:.0f}" for kind, mb in sorted(parts.items()))
         print(
             f"| {t['jobs']} | {t['ended_at_s']} | {t['jobs_per_s']} | {t['engine_s_p50']} "
-            f"| {t['reused_share']} | {t['rss_mb_max']} |"
+            f"| {t['reused_share']} | {t['rss_mb_max']} | {breakdown} |"
         )
 
 

@@ -18,6 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
 from engine.admission import Admission
 from engine.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend
 from engine.blocks import AgentCache, BlockPool, common_prefix_length
@@ -338,6 +340,25 @@ class BlockPoolBatchEngine:
             return caches_to_blocks(kv.layers, kv.tokens, self.spec, self._slab, kv.checkpoints)
         finally:
             self._backend.release(kv)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds, by kind: where a worker's memory goes (`kvrq status`, the soak).
+
+        mlx_active covers the model's weights, running sequences' KV and the arena's idle
+        buffers (MLX arrays too); mlx_cache is what MLX's allocator keeps of freed buffers;
+        slab_* is host memory of extracted blocks (lent: in completions, the hot tier or
+        pending writes; idle: kept for reuse).
+        """
+        arena = self._backend.arena if isinstance(self._backend, RaggedBackend) else None
+        per_slot = self._slab.bytes_per_block
+        self._slab.reclaim()
+        return {
+            "mlx_active": int(mx.get_active_memory()),
+            "mlx_cache": int(mx.get_cache_memory()),
+            "arena_idle": arena.idle_bytes if arena is not None else 0,
+            "slab_lent": self._slab.lent_slots * per_slot,
+            "slab_idle": self._slab.idle_slots * per_slot,
+        }
 
     def prompt_tokens_processed(self) -> int:
         """Prompt tokens the model has run so far (for tests and stats).

@@ -55,6 +55,11 @@ class BlockSlab:
             self._lent.extend(slots)
             return [slot.data[:] for slot in slots]  # fresh views: each holds its owner
 
+    def reclaim(self) -> None:
+        """Take back every slot nothing refers to any more (take() does this when it runs short)."""
+        with self._lock:
+            self._reclaim()
+
     def _new_slot(self) -> _Slot:
         # Half a page away from where MLX and numpy buffers start, so copies between them
         # and a slot never hit 4K aliasing (engine/fast_copy.py).

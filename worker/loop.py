@@ -46,6 +46,7 @@ from producer.protocol import (
     HOT_AGENTS_FIELD,
     HOT_HITS_FIELD,
     MAX_BATCH_FIELD,
+    MEMORY_FIELD,
     MODEL_FIELD,
     POOL_BLOCKS_FIELD,
     PROMPT_TOKENS_FIELD,
@@ -63,6 +64,7 @@ from worker.held import HeldJob
 from worker.jobs import JobRejected, request_from_job, sampling_of
 from worker.liveness import LivenessBeacon
 from worker.maintenance import clean_queues, rerun_crashed
+from worker.memory import memory_field
 from worker.outcomes import COUNTERS, Canceled, Failed, Finished, HandedBack, Outcome, TakenOver
 from worker.ports import Engine, Store
 from worker.prompts import PromptError, prompt_tokens
@@ -655,6 +657,7 @@ class WorkerLoop:
 
     def worker_fields(self) -> dict[str, str | int]:
         """What kvrq adds to its rq worker hash: capacity for producers, load for `kvrq status`."""
+        store_stats = self.store.stats() if self.store is not None else {}
         return {
             CAPACITY_FIELD: self.settings.held_limit,
             MODEL_FIELD: self.model_name,
@@ -665,11 +668,12 @@ class WorkerLoop:
             WAITING_FIELD: len(self.scheduler.waiting),
             PROMPT_TOKENS_FIELD: self.counts["prompt_tokens"],
             REUSED_TOKENS_FIELD: self.counts["reused_tokens"],
-            **self._cache_fields(),
+            **self._cache_fields(store_stats),
+            MEMORY_FIELD: memory_field(self.engine.memory(), store_stats),
         }
 
-    def _cache_fields(self) -> dict[str, int]:
-        stats = self.store.stats() if self.store is not None else {}
+    @staticmethod
+    def _cache_fields(stats: dict[str, int]) -> dict[str, int]:
         hot_hits, hot_misses = stats.get("hot_hits", 0), stats.get("hot_misses", 0)
         return {
             HOT_AGENTS_FIELD: stats.get("hot_entries", 0),

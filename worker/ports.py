@@ -40,6 +40,10 @@ class Engine(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def memory(self) -> dict[str, int]:
+        """Bytes held by kind (BlockPoolBatchEngine.memory), for the worker hash."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -183,3 +183,18 @@ def test_keep_cache_false_skips_the_blocks(engine: BlockPoolBatchEngine) -> None
     completion = run_all(engine)[uid]
     assert completion.cache is None and completion.usage.generated_tokens > 0
     assert engine.pool.used_blocks == 0
+
+
+def test_memory_shows_where_finished_sequences_memory_went(engine: BlockPoolBatchEngine) -> None:
+    per_block = engine.spec.bytes_per_block()
+    uid = engine.submit("a", PROMPT, SamplingParams(max_tokens=5))
+    completion = run_all(engine)[uid]
+    assert completion.cache is not None
+    held = engine.memory()
+    assert held["slab_lent"] == len(completion.cache.blocks) * per_block  # the completion's blocks
+    assert held["arena_idle"] > 0  # the sequence's KV buffers, kept for the next one
+    assert held["mlx_active"] >= held["arena_idle"]  # the arena's buffers are MLX arrays
+    del completion
+    released = engine.memory()
+    assert released["slab_lent"] == 0
+    assert released["slab_idle"] == held["slab_lent"]  # kept for reuse, counted as idle

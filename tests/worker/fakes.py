@@ -95,6 +95,9 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self._seqs)
 
+    def memory(self) -> dict[str, int]:
+        return {"mlx_active": 0}
+
     def submit(
         self,
         agent_id: str | None,

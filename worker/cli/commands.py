@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from producer.protocol import (
     HOT_AGENTS_FIELD,
     HOT_HITS_FIELD,
     MAX_BATCH_FIELD,
+    MEMORY_FIELD,
     MODEL_FIELD,
     POOL_BLOCKS_FIELD,
     PROMPT_TOKENS_FIELD,
@@ -136,11 +138,24 @@ def worker_lines(connection: Redis, worker: BaseWorker) -> list[str]:
         f"worker {worker.name} ({worker.hostname}, pid {worker.pid}): {worker.get_state()}, {holds}, "
         f"queues {','.join(worker.queue_names())}, last heartbeat {ago}"
     ]
+    if fields.get(MEMORY_FIELD):
+        lines.append(f"  memory: {memory_line(fields[MEMORY_FIELD])}")
     if job_ids:
         listed = ", ".join(job_ids[:MAX_LISTED_JOBS])
         more = f" (+{len(job_ids) - MAX_LISTED_JOBS} more)" if len(job_ids) > MAX_LISTED_JOBS else ""
         lines.append(f"  jobs: {listed}{more}")
     return lines
+
+
+def memory_line(field: str) -> str:
+    """`rss 1200 MB (MLX active 900, ...)` from the worker hash's JSON of MB by kind."""
+    try:
+        figures = json.loads(field)
+        rss = figures.pop("rss")
+        parts = ", ".join(f"{kind.replace('_', ' ')} {mb:.0f}" for kind, mb in sorted(figures.items()))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return "unreadable"
+    return f"rss {rss:.0f} MB ({parts})"
 
 
 def cache_line(fields: Mapping[str, str | None]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import re
 import threading
 import time
@@ -22,6 +23,7 @@ from producer.protocol import (
     HOT_AGENTS_FIELD,
     HOT_HITS_FIELD,
     MAX_BATCH_FIELD,
+    MEMORY_FIELD,
     MODEL_FIELD,
     POOL_BLOCKS_FIELD,
     PROMPT_TOKENS_FIELD,
@@ -107,6 +109,7 @@ def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: py
     fields |= {WAITING_FIELD: 1, POOL_BLOCKS_FIELD: 512, FREE_BLOCKS_FIELD: 400}
     fields |= {HOT_AGENTS_FIELD: 3, CACHE_LOOKUPS_FIELD: 8, HOT_HITS_FIELD: 4, CACHE_HITS_FIELD: 6}
     fields |= {PROMPT_TOKENS_FIELD: 1000, REUSED_TOKENS_FIELD: 900}
+    fields |= {MEMORY_FIELD: json.dumps({"rss": 1210.4, "mlx_active": 900.0, "hot_tier": 64.0})}
     connection.hset(kvrq.key, mapping=fields)  # type: ignore[arg-type]
     connection.set(worker_alive_key("kvrq-w1"), "1")  # its liveness beacon
     Worker(["kvrq"], name="plain-w2", connection=connection, serializer="json").register_birth()
@@ -120,6 +123,8 @@ def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: py
     assert "holds 2 running + 1 waiting (capacity 32, max_batch 16), KV pool 400/512 blocks free" in kvrq_line
     assert "model smollm2-135m, 3 hot agent(s), cache hits 75% of 8 lookups (hot tier 50%)" in kvrq_line
     assert "prompt tokens reused 90%, queues kvrq, last heartbeat" in kvrq_line
+    memory = lines[lines.index(kvrq_line) + 1]
+    assert memory == "  memory: rss 1210 MB (hot tier 64, mlx active 900)"
     plain_line = next(line for line in lines if line.startswith("worker plain-w2"))
     assert "plain rq worker, 0 execution(s)" in plain_line
 
