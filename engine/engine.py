@@ -93,8 +93,13 @@ class BlockPoolBatchEngine:
             self.pool = BlockPool.from_megabytes(pool_mb or DEFAULT_POOL_MB, self.spec)
         self.max_batch = max_batch
         pool_bytes = self.pool.total_blocks * self.spec.bytes_per_block()
-        keep_buffers_resident(pool_bytes)  # cache buffers of ended sequences are reused, not re-faulted
-        self._slab = BlockSlab(self.spec.bytes_per_block(), max_idle_slots=self.pool.total_blocks)
+        # Memory kept for reuse instead of freed (fresh pages cost more than the copies into
+        # them, engine/kv_convert.py), bounded all together by the pool's own size: half for
+        # the arena's idle KV buffers, a quarter each for MLX's allocator cache and the slab's
+        # idle host slots. A worker then stays within model + 2 x pool + hot tier + pending
+        # writes (docs/worker.md, "Memory").
+        keep_buffers_resident(pool_bytes // 4)
+        self._slab = BlockSlab(self.spec.bytes_per_block(), max_idle_slots=self.pool.total_blocks // 4)
         args = getattr(model, "args", None)
         self.max_context = max_context or getattr(args, "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.vocab_size = int(getattr(args, "vocab_size", 0) or 0)
@@ -104,7 +109,7 @@ class BlockPoolBatchEngine:
             raise ValueError(f"{type(model).__module__} cannot run in the ragged batch")
         self._backend: Backend
         if use_ragged:
-            arena = KVArena(self.spec, max_idle_bytes=pool_bytes)
+            arena = KVArena(self.spec, max_idle_bytes=pool_bytes // 2)
             self._backend = RaggedBackend(
                 model, self.spec, arena, prefill_tokens_per_step=prefill_tokens_per_step
             )

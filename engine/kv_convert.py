@@ -3,9 +3,10 @@
 Both directions are one copy at memory speed, through numpy views of MLX buffers:
 - gather: each layer's cache buffer is allocated once at its final capacity (a multiple
   of 256 tokens) and the blocks are copied straight into it through a writable numpy view,
-  with no intermediate concatenate. MLX's CPU allocator keeps freed buffers for reuse only
-  up to its cache limit (32 MB by default), so `keep_buffers_resident` raises that limit:
-  otherwise every gather pays fresh pages, several times the copy itself.
+  with no intermediate concatenate. The buffers come from a KVArena (those of ended
+  sequences) where it has some, else from MLX's allocator, which keeps freed buffers for
+  reuse only up to its cache limit (32 MB by default): `keep_buffers_resident` raises
+  that limit, else such a gather pays fresh pages, several times the copy itself.
 - extract: a finished cache is copied block by block into slots of a BlockSlab (recycled
   host memory), each block one contiguous (layers, heads, tokens, dim) region per K and V.
 

@@ -13,6 +13,7 @@ from redis import Redis
 from producer.redact import redact_url
 from worker.backoff import Backoff
 from worker.loop import REDIS_DOWN, WorkerLoop
+from worker.memory import return_large_frees_to_the_os
 from worker.rqexec import KvrqWorker
 from worker.settings import WorkerSettings
 
@@ -40,6 +41,7 @@ def serve(settings: WorkerSettings) -> int:
     from store import open_store
 
     started = time.perf_counter()
+    return_large_frees_to_the_os()
     model, tokenizer = load_model(settings.model)
     engine = BlockPoolBatchEngine(
         model,
