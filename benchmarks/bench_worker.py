@@ -10,6 +10,10 @@
 3. Warm vs cold agent at ~1K and ~2K tokens of history: the same request for an agent whose cache
    holds the conversation so far, and for a fresh agent; enqueue -> first token at the client.
    Run against a worker with its in-memory hot tier, and one reading caches from disk.
+4. Floor (`--only floor`): at 512 / 1K / 2K / 4K / 8K tokens of history, the warm-resume speedup
+   through the whole worker path (cold = the same turn as a job with no agent) as a fraction of
+   raw mlx-lm's own in the same run (cold = prefill in 512-token steps to the first token; warm =
+   `load_prompt_cache` of the history from a file + the new tokens).
 
 Everything runs on this machine, in one run: a private redis-server, worker subprocesses
 (`kvrq worker`, OpenBLAS preloaded like this process), this process idle while they work.
@@ -219,10 +223,55 @@ def warm_vs_cold(
         "cold_engine_first_token_s": statistics.median(cold_engine),
         "speedup": cold_median / warm_median,
         "repeats": repeats,
+        "turn2": turn2,
     }
 
 
-PARTS = ("throughput", "overhead", "warm")
+def raw_floor(model: Any, prompt: list[int], cached: int, workdir: Path, repeats: int) -> dict[str, float]:
+    """Raw mlx-lm's warm-resume speedup for `prompt` whose first `cached` tokens were seen before:
+    cold prefill (512-token steps, as mlx-lm generates) vs load_prompt_cache + the rest, best of repeats."""
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    from benchmarks.bench_store import first_token_direct
+
+    path = workdir / "floor.safetensors"
+    layers = make_prompt_cache(model)
+    first_token_direct(model, layers, prompt[: cached + 1])  # fills the cache with `cached` + 1 tokens
+    for layer in layers:
+        layer.trim(1)
+    save_prompt_cache(str(path), layers)
+    cold, warm, firsts = [], [], set()
+    for _ in range(repeats):
+        started = time.perf_counter()
+        firsts.add(first_token_direct(model, make_prompt_cache(model), prompt))
+        cold.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        firsts.add(first_token_direct(model, load_prompt_cache(str(path)), prompt[cached:]))
+        warm.append(time.perf_counter() - started)
+    assert len(firsts) == 1, "raw warm and cold first tokens differ"
+    return {"raw_cold_s": min(cold), "raw_warm_s": min(warm), "raw_speedup": min(cold) / min(warm)}
+
+
+def floor(
+    producer: Any, model: Any, tokenizer: Any, workdir: Path, contexts: tuple[int, ...]
+) -> dict[int, dict[str, Any]]:
+    from producer.models import GenerationRequest
+    from worker.prompts import prompt_tokens
+
+    rows = {}
+    for n in contexts:
+        repeats = 3 if n <= 2048 else 1
+        print(f"floor {n} ...", flush=True)
+        through = warm_vs_cold(producer, tokenizer, n, repeats)
+        turn2 = through.pop("turn2")
+        tokens = prompt_tokens(tokenizer, GenerationRequest.model_validate({"messages": turn2}))
+        raw = raw_floor(model, tokens, through["reused_tokens"], workdir, repeats)
+        rows[n] = {**through, **raw, "vs_floor": through["speedup"] / raw["raw_speedup"]}
+        print(rows[n], flush=True)
+    return rows
+
+
+PARTS = ("throughput", "overhead", "warm", "floor")
 
 
 def main() -> int:
@@ -236,6 +285,9 @@ def main() -> int:
         choices=PARTS,
         action="append",
         help="run only these parts (repeat); the others keep their figures from the existing JSON",
+    )
+    parser.add_argument(
+        "--floor-contexts", default="512,1024,2048,4096,8192", help="history sizes of the floor part"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "worker.json"))
     args = parser.parse_args()
@@ -283,6 +335,9 @@ def main() -> int:
             if "warm" in parts:
                 print("warm vs cold ...", flush=True)
                 hot = {n: warm_vs_cold(producer, tokenizer, n, warm_repeats) for n in (1024, 2048)}
+            if "floor" in parts:
+                contexts = tuple(int(n) for n in args.floor_contexts.split(","))
+                report["floor"] = floor(producer, model, tokenizer, workdir, contexts)
         if "warm" in parts:
             print("worker (hot tier off: caches read from disk) ...", flush=True)
             disk_env = {**env, "KVRQ_STORE_HOT_MB": "0"}
@@ -297,7 +352,10 @@ def main() -> int:
                 from_redis = {
                     n: warm_vs_cold(producer, tokenizer, n, warm_repeats, settle_s=2.0) for n in (1024, 2048)
                 }
-            report["warm_vs_cold"] = {"hot_tier": hot, "disk": disk, "redis": from_redis}
+            report["warm_vs_cold"] = {
+                store: {n: {k: v for k, v in row.items() if k != "turn2"} for n, row in rows.items()}
+                for store, rows in (("hot_tier", hot), ("disk", disk), ("redis", from_redis))
+            }
     if "throughput" in parts:
         print("sequential mlx_lm.generate ...", flush=True)
         sequential = sequential_generate(model, tokenizer, prompts, max_tokens)
@@ -353,6 +411,8 @@ def print_table(report: dict[str, Any]) -> None:
         print_throughput(report)
     if "warm_vs_cold" in report:
         print_warm(report)
+    if "floor" in report:
+        print_floor(report)
 
 
 def print_throughput(report: dict[str, Any]) -> None:
@@ -381,6 +441,20 @@ def print_throughput(report: dict[str, Any]) -> None:
         f"p95 {q['overhead_ms']['p95']:.1f} ms (enqueue to first token p50 "
         f"{q['enqueue_to_first_token_ms']['p50']:.1f} ms)"
     )
+
+
+def print_floor(report: dict[str, Any]) -> None:
+    print(
+        "\n| history | prompt tokens | reused | worker cold | worker warm | worker speedup "
+        "| raw cold | raw warm | raw speedup (floor) | worker / floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n, row in report["floor"].items():
+        print(
+            f"| {n} | {row['prompt_tokens']} | {row['reused_tokens']} | {row['cold_first_token_s']:.2f} s "
+            f"| {row['warm_first_token_s']:.3f} s | {row['speedup']:.1f}x | {row['raw_cold_s']:.2f} s "
+            f"| {row['raw_warm_s']:.3f} s | {row['raw_speedup']:.1f}x | {row['vs_floor']:.2f} |"
+        )
 
 
 def print_warm(report: dict[str, Any]) -> None:
