@@ -313,6 +313,7 @@ def bench_joins(joins: list[tuple[int, ...]], n_short: int, window: int) -> list
             for uid in joined[kind]:
                 driver.remove(uid)
         window_of(without)
+        solo = solo_first_token_s(model, no_eos, caches, suffix, join_params)
         row: dict[str, Any] = {"joiners": "+".join(str(n) for n in sizes)}
         for kind, driver in drivers.items():
             driver.close()
@@ -324,9 +325,34 @@ def bench_joins(joins: list[tuple[int, ...]], n_short: int, window: int) -> list
             worst = max(t for _, t in first[kind].values())
             row[f"{kind}_first_token_ms"] = ms(worst)
             row[f"{kind}_first_token_in_steps"] = round(worst / base, 1)
+        # The joiners' own work: the same caches resumed on an idle engine (no batch mates).
+        row["solo_first_token_ms"] = ms(solo)
+        row["solo_first_token_in_steps"] = round(solo / statistics.median(without["engine"]), 1)
         print(row, flush=True)
         rows.append(row)
     return rows
+
+
+def solo_first_token_s(
+    model: Any, tokenizer: Any, caches: list[Any], suffix: list[int], params: Any
+) -> float:
+    """Seconds from submit to the first token of `caches` (+ `suffix`) on an engine running nothing else,
+    median of 3 (the first, which pays fresh buffers, is dropped)."""
+    from engine.engine import BlockPoolBatchEngine
+
+    engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", pool_mb=6000)
+    times = []
+    for _ in range(4):
+        started = time.perf_counter()
+        uids = [engine.submit("agent", c.token_ids + suffix, params, cache=c) for c in caches]
+        waiting = set(uids)
+        while waiting:
+            waiting -= {d.uid for d in engine.step().deltas}
+        times.append(time.perf_counter() - started)
+        for uid in uids:
+            engine.cancel(uid)
+    engine.close()
+    return statistics.median(times[1:])
 
 
 class _EngineDriver:
