@@ -413,7 +413,7 @@ class _RawDriver:
 
         layers = blocks_to_caches(cache, cache.n_tokens)
         (uid,) = self.generator.insert(
-            [self.suffix], max_tokens=[self.max_tokens], caches=[layers], all_tokens=[cache.token_ids]
+            [self.suffix], max_tokens=[self.max_tokens], caches=[layers], all_tokens=[list(cache.token_ids)]
         )
         return int(uid)
 
