@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 PAGE = 4096
-_ALIASING_WINDOW = 64
+ALIASING_WINDOW = 64
 
 
 class _Bounce(threading.local):
@@ -35,7 +35,7 @@ _bounce = _Bounce()
 
 def aliases(destination: np.ndarray, source: np.ndarray) -> bool:
     gap = destination.__array_interface__["data"][0] - source.__array_interface__["data"][0]
-    return 0 < gap % PAGE < _ALIASING_WINDOW
+    return 0 < gap % PAGE < ALIASING_WINDOW
 
 
 def copy_array(destination: np.ndarray, source: np.ndarray) -> None:

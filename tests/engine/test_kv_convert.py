@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from engine import kv_convert
 from engine.blocks import AgentCache
 from engine.fast_copy import PAGE, aliases, copy_array, page_offset_array
 from engine.host_slab import BlockSlab
@@ -141,3 +142,29 @@ def test_gather_of_a_truncated_cache_takes_only_the_prefix() -> None:
     rebuilt = blocks_to_caches(cache, 50)
     assert all(layer.offset == 50 for layer in rebuilt)
     assert_same_kv(layers, rebuilt, 50)
+
+
+@pytest.mark.parametrize("n_tokens", [33, 100])
+def test_copies_split_over_two_threads_are_exact(monkeypatch: pytest.MonkeyPatch, n_tokens: int) -> None:
+    monkeypatch.setattr(kv_convert, "PARALLEL_COPY_BYTES", 0)  # every extract and gather: two threads
+    spec = make_spec(n_layers=5)  # odd: the halves differ in size
+    layers = random_layers(spec, n_tokens)
+    rebuilt = blocks_to_caches(caches_to_blocks(layers, list(range(n_tokens)), spec), n_tokens)
+    assert_same_kv(layers, rebuilt, n_tokens)
+
+
+def test_gather_is_exact_when_a_block_aliases_its_destination() -> None:
+    heads, dim, block = 2, 16, 32
+    destination = page_offset_array(heads * 64 * dim * 4, 0).view(np.float32).reshape(heads, 64, dim)
+    destination[:] = 0
+    sources = []
+    for index in range(2):  # each block 8 bytes before its place in the destination, modulo a page
+        piece = destination[:, index * block : (index + 1) * block]
+        place = piece.__array_interface__["data"][0]
+        source = page_offset_array(heads * block * dim * 4, (place - 8) % PAGE)
+        source = source.view(np.float32).reshape(heads, block, dim)
+        source[:] = np.random.default_rng(index).normal(size=source.shape)
+        assert aliases(piece, source)
+        sources.append(source)
+    kv_convert._concatenate_into(destination, sources, 64)
+    assert np.array_equal(destination, np.concatenate(sources, axis=1))
