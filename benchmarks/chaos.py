@@ -206,6 +206,12 @@ def kill_round(
     wait_running(bench, handles)
     victim = busiest(bench, handles, alive)
     affected = [h for h in handles if holder(bench.connection, h.id) == victim.name]
+    wait_for(  # strike while the victim's own jobs are streaming, so their re-runs continue streams
+        lambda: any(bench.connection.xlen(f"kvrq:stream:{h.id}") > 1 for h in affected),
+        120,
+        "the victim's jobs streamed nothing",
+        interval=POLL_S,
+    )
     struck = time.monotonic()
     victim.kill()
     alive = [w for w in alive if w is not victim]
