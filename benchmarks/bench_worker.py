@@ -259,10 +259,12 @@ def floor(
     from worker.prompts import prompt_tokens
 
     rows = {}
+    context = int(getattr(model.args, "max_position_embeddings", 8192))
     for n in contexts:
         repeats = 3 if n <= 2048 else 1
         print(f"floor {n} ...", flush=True)
-        through = warm_vs_cold(producer, tokenizer, n, repeats)
+        # history_for overshoots by up to one briefing (~100 tokens): keep turn 1 inside the context
+        through = warm_vs_cold(producer, tokenizer, min(n, context - 250), repeats)
         turn2 = through.pop("turn2")
         tokens = prompt_tokens(tokenizer, GenerationRequest.model_validate({"messages": turn2}))
         raw = raw_floor(model, tokens, through["reused_tokens"], workdir, repeats)
