@@ -264,7 +264,8 @@ def floor(
         repeats = 3 if n <= 2048 else 1
         print(f"floor {n} ...", flush=True)
         # history_for overshoots by up to one briefing (~100 tokens): keep turn 1 inside the context
-        through = warm_vs_cold(producer, tokenizer, min(n, context - 250), repeats)
+        # settle: turn 2 comes once turn 1's cache is written (a 377 MB write at 8K), as raw's file is
+        through = warm_vs_cold(producer, tokenizer, min(n, context - 250), repeats, settle_s=n / 1024)
         turn2 = through.pop("turn2")
         tokens = prompt_tokens(tokenizer, GenerationRequest.model_validate({"messages": turn2}))
         raw = raw_floor(model, tokens, through["reused_tokens"], workdir, repeats)
