@@ -27,7 +27,13 @@ from engine.checkpoints import CheckpointingBatchBackend
 from engine.errors import InvalidRequestError
 from engine.host_slab import BlockSlab
 from engine.kv_arena import KVArena
-from engine.kv_convert import caches_to_blocks, copy_into_blocks, host_layers, keep_buffers_resident
+from engine.kv_convert import (
+    caches_to_blocks,
+    copy_into_blocks,
+    host_layers,
+    keep_buffers_resident,
+    yield_to_the_step,
+)
 from engine.params import SamplingParams
 from engine.ragged import route_attention
 from engine.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
@@ -123,7 +129,7 @@ class BlockPoolBatchEngine:
         self._sequences: dict[int, _Sequence] = {}
         # Cutting a finished sequence's KV into blocks is a copy of all of it: done on this
         # thread it stalled the whole batch for the step a burst of sequences ended in.
-        self._cutter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrq-cut")
+        self._cutter = ThreadPoolExecutor(1, thread_name_prefix="kvrq-cut", initializer=yield_to_the_step)
         self._cuts: list[_Cut] = []
 
     # ---- admission -------------------------------------------------------------------
@@ -296,7 +302,7 @@ class BlockPoolBatchEngine:
         kv = self._backend.finish(seq.uid, want_kv)
         if kv is not None and self.spec.all_full_attention:
             host = host_layers(kv.layers, len(kv.tokens), self.spec)  # MLX calls stay on this thread
-            blocks = self._cutter.submit(copy_into_blocks, host, list(kv.tokens), self.spec, self._slab)
+            blocks = self._cutter.submit(copy_into_blocks, host, list(kv.tokens), self.spec, self._slab, True)
             self._cuts.append(_Cut(seq, reason, kv, blocks))
             return None
         self.pool.free(seq.uid)

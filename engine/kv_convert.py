@@ -18,6 +18,8 @@ attention (sliding windows, per-layer shapes, SSM state) go to engine/layered_kv
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -123,20 +125,32 @@ def blocks_to_caches(
 # releases the GIL while it copies, and one core alone does not reach the memory's
 # bandwidth (8K tokens: 0.44 of a memcpy on one thread, 0.8 on two).
 PARALLEL_COPY_BYTES = 8 * 1024 * 1024
-_copy_pool: ThreadPoolExecutor | None = None
-_copy_pool_lock = threading.Lock()
+BACKGROUND_NICE = 10
+_copy_pools: dict[bool, ThreadPoolExecutor] = {}
+_copy_pools_lock = threading.Lock()
 
 
-def _split_over_two_threads(work: Callable[[range], None], n_items: int, n_bytes: int) -> None:
-    """work(range) over 0..n_items, the second half on a helper thread when the copy is large."""
-    global _copy_pool
+def yield_to_the_step() -> None:
+    """Lower the calling thread's priority (Linux: a thread's own nice value), so copies in the
+    background (cutting finished caches) take cores the model's step leaves idle, not its own."""
+    with contextlib.suppress(AttributeError, OSError):  # no per-thread priority (macOS): run as is
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+def _split_over_two_threads(
+    work: Callable[[range], None], n_items: int, n_bytes: int, background: bool = False
+) -> None:
+    """work(range) over 0..n_items, the second half on a helper thread when the copy is large
+    (a `background` copy's helper yields to the step like its caller)."""
     if n_bytes < PARALLEL_COPY_BYTES or n_items < 2:
         work(range(n_items))
         return
-    with _copy_pool_lock:
-        if _copy_pool is None:  # two: a gather and a background extract may both be copying
-            _copy_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvrq-copy")
-        pool = _copy_pool
+    with _copy_pools_lock:
+        pool = _copy_pools.get(background)
+        if pool is None:
+            initializer = yield_to_the_step if background else None
+            pool = ThreadPoolExecutor(1, thread_name_prefix="kvrq-copy", initializer=initializer)
+            _copy_pools[background] = pool
     half = n_items // 2
     other = pool.submit(work, range(half, n_items))
     try:
@@ -218,9 +232,14 @@ def host_layers(layers: list[Any], n_tokens: int, spec: ModelCacheSpec) -> HostL
 
 
 def copy_into_blocks(
-    host: HostLayers, token_ids: list[int], spec: ModelCacheSpec, slab: BlockSlab | None = None
+    host: HostLayers,
+    token_ids: list[int],
+    spec: ModelCacheSpec,
+    slab: BlockSlab | None = None,
+    background: bool = False,
 ) -> AgentCache:
-    """Copy the first len(token_ids) tokens of host K/V views into blocks (slab slots if given)."""
+    """Copy the first len(token_ids) tokens of host K/V views into blocks (slab slots if given);
+    `background`: the caller runs beside the model's step (its helper thread yields like it)."""
     n_tokens = len(token_ids)
     n_blocks = spec.blocks_for(n_tokens)
     slots = (
@@ -241,7 +260,7 @@ def copy_into_blocks(
                 copy_array(block.keys[layer], keys[:, start : start + take])
                 copy_array(block.values[layer], values[:, start : start + take])
 
-    _split_over_two_threads(fill, len(blocks), n_tokens * spec.bytes_per_token())
+    _split_over_two_threads(fill, len(blocks), n_tokens * spec.bytes_per_token(), background)
     return AgentCache(spec, list(token_ids), blocks)
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -168,3 +171,19 @@ def test_gather_is_exact_when_a_block_aliases_its_destination() -> None:
         sources.append(source)
     kv_convert._concatenate_into(destination, sources, 64)
     assert np.array_equal(destination, np.concatenate(sources, axis=1))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_background_copies_yield_to_the_step_thread_only() -> None:
+    seen: dict[str, int] = {}
+    step_thread = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def background() -> None:
+        kv_convert.yield_to_the_step()
+        seen["cut"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["cut"] >= kv_convert.BACKGROUND_NICE > step_thread
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == step_thread  # untouched
