@@ -1,0 +1,515 @@
+"""Agents vs mlx_lm.server: the same multi-turn agent workload through kvrq and through mlx-lm's
+own OpenAI-compatible server, on the same weights, on this machine, in the same run.
+
+    python benchmarks/bench_agents.py                       # 12 agents x 3 turns, 2 runs of each side
+    python benchmarks/bench_agents.py --agents 2 --turns 2 --max-tokens 8 --runs 1 --out /tmp/a.json
+    python benchmarks/bench_agents.py --only server         # one side (no ratios then)
+
+Each agent has its own ~700-token briefing (the system message: a ship, its home port, crew and
+cargo, generated from a seed per agent, so every agent's prefix differs from its first tokens).
+Turn k+1 sends turn k's messages, the assistant's answer of turn k and a new user question: a
+real conversation. All agents run at once (one thread each, its turns one after another),
+greedy, `--max-tokens` new tokens per turn. Measured by the client per turn: time to first
+token (request sent -> first streamed text) and the turn's total time; per side: the workload's
+wall time, turn-1 TTFT and later-turn (turn >= 2) TTFT, median and p95. Both sides get the same
+turn-1 messages; from turn 2 on each side carries its own earlier answers (greedy, same weights:
+mostly the same text, but batching order may change a float and so a token; the JSON counts the
+turn-1 answers that agree).
+
+kvrq: a private redis-server and one `kvrq worker` (builtin smollm2-135m, float32, OpenBLAS
+preloaded by the CLI, disk store in a temp dir, its default settings: max batch 16, hot tier),
+jobs submitted with `producer.client.Producer` under one `agent_id` per agent, so a later turn
+resumes from the agent's saved cache and prefills only the new tokens.
+
+mlx_lm.server (mlx-lm 0.32.2 here): the builtin model exported once to an mlx-lm model folder
+(config.json, float32 model.safetensors, tokenizer.json + tokenizer_config.json with the chat
+template; checked: mlx_lm.load of the folder gives the same chat-template tokens and the same
+greedy text as kvrq's engine), served with `python -m mlx_lm.server` and its defaults, driven
+with streaming POST /v1/chat/completions. At those defaults it batches requests
+(BatchGenerator; `--decode-concurrency 32`, `--prompt-concurrency 8`, `--prefill-step-size
+2048`) and keeps an in-memory LRU prompt cache of at most `--prompt-cache-size 10` KV caches
+(no byte limit unless `--prompt-cache-bytes`), keyed by token prefix in a trie: a chat prompt is
+cut into segments (system prompt, rest), the cache is saved at the end of the system segment and
+after each finished generation (prompt + answer, which replaces the entries that are its
+prefixes), and a new request resumes from the longest cached prefix (a longer entry is copied and
+trimmed). So each agent holds about one entry between turns, and with more than 10 agents the LRU
+evicts some agents' caches; `cached_tokens` (stream_options.include_usage) tells how many
+prompt tokens each turn reused, reported next to kvrq's own count. The server gets the worker's environment:
+OpenBLAS preloaded (`blas_preload_env()`), OpenBLAS's own thread count. `--server-blas-threads N`
+sets OPENBLAS_NUM_THREADS for it: docs/platform.md measured mlx_lm.server's decode 6-15x faster
+with 1 thread (its HTTP threads fight OpenBLAS's over the 2 cores), but this workload is mostly
+prefill, and a 2-agent smoke run here was no faster with 1 (21 s wall against 19 s).
+
+Every run starts fresh processes on both sides (empty caches); the order of the two sides
+alternates between runs. Writes benchmarks/results/agents.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import http.client
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.fastpath import blas_preload_env, ensure_fast_blas  # noqa: E402
+
+Message = dict[str, str]
+
+SHIPS = ["Albatross", "Boreas", "Cormorant", "Dunlin", "Egret", "Fulmar", "Gannet", "Heron"]
+SHIPS += ["Ibis", "Jacana", "Kestrel", "Lapwing", "Merlin", "Nightjar", "Osprey", "Petrel"]
+TOWNS = ["Aberlin", "Brackwater", "Caldmouth", "Dunmore", "Eskhaven", "Farrow Bay", "Greyport", "Holmsted"]
+TOWNS += ["Inverkeld", "Jarrow Point", "Kilbrae", "Lowestoft Reach", "Marrick", "Northcombe", "Oban Sound"]
+CREW = ["Ada", "Bram", "Cato", "Dora", "Ewan", "Freya", "Gus", "Hilde", "Ivo", "Jonas", "Kaia", "Lorne"]
+CARGO = ["salt cod", "oak planks", "wool bales", "copper wire", "barley", "lamp oil", "slate", "tea chests"]
+WEATHER = [
+    "a westerly gale",
+    "thick fog",
+    "a flat calm",
+    "sleet from the north",
+    "a long swell",
+    "rain squalls",
+]
+GEAR = ["bilge pump", "foresail", "starboard winch", "galley stove", "radio", "anchor chain"]
+STATES = ["needs grease", "is worn", "was mended", "leaks a little", "works well again"]
+MEALS = ["fish stew", "pea soup", "oat cakes", "mutton pie"]
+QUESTIONS = [
+    "What cargo is aboard right now?",
+    "Who is the cook, and what do they think of the weather?",
+    "Which port do we reach next, and when?",
+    "Name one repair the ship needs.",
+    "Summarise yesterday's log entry in one sentence.",
+    "What should the captain worry about tonight?",
+]
+
+
+def briefing(agent: int) -> str:
+    """A deterministic ~700-token system message, different for every agent from its first words."""
+    rng = random.Random(agent)
+    ship = SHIPS[agent % len(SHIPS)] + ("" if agent < len(SHIPS) else f" {agent // len(SHIPS) + 1}")
+    home = TOWNS[agent % len(TOWNS)]
+    crew = rng.sample(CREW, 5)
+    lines = [
+        f"You are the log keeper of the coaster {ship}, home port {home}. Answer in one or two short "
+        f"sentences, using only the log below. The captain is {crew[0]}, the mate {crew[1]}, the cook "
+        f"{crew[2]}, the engineer {crew[3]} and the deck hand {crew[4]}."
+    ]
+    for day in range(1, 11):
+        port = rng.choice([t for t in TOWNS if t != home])
+        cargo = rng.sample(CARGO, 2)
+        lines.append(
+            f"Day {day}: left {port} at {rng.randint(4, 11)} in the morning with {rng.randint(3, 40)} tons "
+            f"of {cargo[0]} and {rng.randint(2, 25)} crates of {cargo[1]}; met {rng.choice(WEATHER)}, "
+            f"made {rng.randint(40, 140)} miles; {rng.choice(crew)} noted that the "
+            f"{rng.choice(GEAR)} {rng.choice(STATES)}, and {rng.choice(crew)} cooked {rng.choice(MEALS)}."
+        )
+    return "\n".join(lines)
+
+
+def question(agent: int, turn: int) -> str:
+    return QUESTIONS[(agent + turn) % len(QUESTIONS)]
+
+
+@dataclass
+class Answer:
+    text: str
+    ttft_s: float | None
+    total_s: float
+    prompt_tokens: int
+    reused_tokens: int
+
+
+Ask = Callable[[int, list[Message]], Answer]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def drive(ask: Ask, agents: int, turns: int) -> tuple[float, list[dict[str, Any]]]:
+    """All agents at once, one thread each, each agent's turns in order: (wall seconds, rows)."""
+    rows: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def agent_loop(agent: int) -> None:
+        chat: list[Message] = [{"role": "system", "content": briefing(agent)}]
+        try:
+            for turn in range(turns):
+                chat.append({"role": "user", "content": question(agent, turn)})
+                answer = ask(agent, list(chat))
+                chat.append({"role": "assistant", "content": answer.text})
+                rows.append({"agent": agent, "turn": turn + 1, **asdict(answer)})
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent_loop, args=(a,), daemon=True) for a in range(agents)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return wall, sorted(rows, key=lambda r: (r["agent"], r["turn"]))
+
+
+# ---- kvrq ------------------------------------------------------------------------------------
+
+
+def run_kvrq(args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
+    from producer.client import Producer
+    from tests.worker.procs import RedisProcess, WorkerProcess
+
+    with tempfile.TemporaryDirectory(prefix="kvrq-agents-") as tmp:
+        workdir = Path(tmp)
+        redis = RedisProcess(workdir)
+        redis.start()
+        worker = WorkerProcess(redis.url, workdir, name="agents", env={"KVRQ_HEARTBEAT_INTERVAL": "5"})
+        try:
+            worker.start()
+            with Producer(redis.url) as producer:
+
+                def ask(agent: int, messages: list[Message]) -> Answer:
+                    started = time.perf_counter()
+                    handle = producer.submit(
+                        {
+                            "agent_id": f"agent-{agent}",
+                            "messages": messages,
+                            "max_tokens": args.max_tokens,
+                            "temperature": 0.0,
+                        }
+                    )
+                    first, parts = None, []
+                    for delta in handle.stream(timeout=1200):
+                        if delta and first is None:
+                            first = time.perf_counter() - started
+                        parts.append(delta)
+                    total = time.perf_counter() - started
+                    usage = handle.result(timeout=60).usage
+                    return Answer("".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens)
+
+                warm_up = producer.submit({"prompt": "Hello", "max_tokens": 2})  # model pages, first step
+                warm_up.result(timeout=300)
+                return drive(ask, args.agents, args.turns)
+        finally:
+            worker.stop()
+            redis.stop()
+
+
+# ---- mlx_lm.server ---------------------------------------------------------------------------
+
+
+def export_model(folder: Path, check_messages: list[Message], max_tokens: int) -> dict[str, Any]:
+    """Write the builtin model as an mlx-lm folder; assert mlx_lm.load of it matches kvrq's engine."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import generate, load
+
+    from engine.engine import BlockPoolBatchEngine
+    from engine.model import BUILTIN_MODEL, load_model
+    from engine.params import SamplingParams
+
+    model, tokenizer = load_model(BUILTIN_MODEL)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in asdict(model.args).items() if v is not None}
+    config["eos_token_id"] = sorted(tokenizer.eos_token_ids)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    hf = tokenizer._tokenizer
+    hf.backend_tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": hf.bos_token,
+        "eos_token": hf.eos_token,
+        "unk_token": hf.unk_token,
+        "pad_token": hf.pad_token,
+        "chat_template": hf.chat_template,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+
+    prompt = list(tokenizer.apply_chat_template(check_messages, add_generation_prompt=True))
+    engine = BlockPoolBatchEngine(model, tokenizer, model_name=BUILTIN_MODEL, pool_mb=256)
+    engine.submit(None, prompt, SamplingParams(max_tokens=max_tokens), keep_cache=False)
+    ours = ""
+    while engine.has_work():
+        for completion in engine.step().completions:
+            ours = completion.text
+    engine.close()
+
+    loaded = load(str(folder))
+    exported_model, exported_tokenizer = loaded[0], loaded[1]
+    exported_prompt = list(exported_tokenizer.apply_chat_template(check_messages, add_generation_prompt=True))
+    assert exported_prompt == prompt, "the exported tokenizer renders the chat differently"
+    assert set(exported_tokenizer.eos_token_ids) == set(tokenizer.eos_token_ids), "EOS tokens differ"
+    theirs = generate(
+        exported_model, exported_tokenizer, exported_prompt, max_tokens=max_tokens, verbose=False
+    )
+    assert theirs == ours, f"mlx_lm.load of the export generates {theirs!r}, kvrq's engine {ours!r}"
+    del model, exported_model, engine, loaded
+    gc.collect()
+    mx.clear_cache()
+    return {"passed": True, "prompt_tokens": len(prompt), "max_tokens": max_tokens, "text": ours}
+
+
+def start_server(folder: Path, port: int, log_path: Path, blas_threads: int) -> subprocess.Popen[bytes]:
+    env = blas_preload_env()
+    if blas_threads > 0:
+        env["OPENBLAS_NUM_THREADS"] = str(blas_threads)
+    command = [sys.executable, "-m", "mlx_lm.server", "--model", str(folder)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlx_lm.server exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("mlx_lm.server did not answer /health within 300 s")
+
+
+def ask_server(port: int, messages: list[Message], max_tokens: int) -> Answer:
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1200)
+    started = time.perf_counter()
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"mlx_lm.server answered {response.status}: {response.read()[:500]!r}")
+    first, parts = None, []
+    usage: dict[str, Any] = {}
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue  # blank lines and ": keepalive" comments
+        if line == "data: [DONE]":
+            break
+        chunk = json.loads(line.removeprefix("data: "))
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            text = choice.get("delta", {}).get("content")
+            if text:
+                if first is None:
+                    first = time.perf_counter() - started
+                parts.append(text)
+    total = time.perf_counter() - started
+    connection.close()
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Answer("".join(parts), first, total, int(usage.get("prompt_tokens", 0)), int(cached))
+
+
+def run_server(args: argparse.Namespace, folder: Path) -> tuple[float, list[dict[str, Any]]]:
+    from worker.cli.spawn import free_port
+
+    port = free_port()
+    proc = start_server(folder, port, folder.parent / "server.log", args.server_blas_threads)
+    try:
+        ask_server(port, [{"role": "user", "content": "Hello"}], 2)  # model pages, first step
+        return drive(
+            lambda agent, messages: ask_server(port, messages, args.max_tokens), args.agents, args.turns
+        )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def side_summary(
+    side: str, run: int, wall: float, rows: list[dict[str, Any]], load: list[Any]
+) -> dict[str, Any]:
+    first = [r["ttft_s"] for r in rows if r["turn"] == 1 and r["ttft_s"] is not None]
+    later_rows = [r for r in rows if r["turn"] >= 2]
+    later = [r["ttft_s"] for r in later_rows if r["ttft_s"] is not None]
+    return {
+        "side": side,
+        "run": run,
+        "wall_s": round(wall, 2),
+        "turns": len(rows),
+        "ttft_turn1_median_s": statistics.median(first) if first else None,
+        "ttft_turn1_p95_s": percentile(first, 0.95),
+        "ttft_later_median_s": statistics.median(later) if later else None,
+        "ttft_later_p95_s": percentile(later, 0.95),
+        "turn_total_median_s": statistics.median(r["total_s"] for r in rows),
+        "reused_share_later_turns": sum(r["reused_tokens"] for r in later_rows)
+        / max(1, sum(r["prompt_tokens"] for r in later_rows)),
+        "load_average_before": load[0],
+        "load_average_after": load[1],
+        "rows": rows,
+    }
+
+
+def ratios(kvrq: dict[str, Any], server: dict[str, Any]) -> dict[str, float | None]:
+    def ratio(key: str) -> float | None:
+        a, b = kvrq.get(key), server.get(key)
+        return round(b / a, 2) if a and b else None
+
+    return {"wall": ratio("wall_s"), "ttft_later_median": ratio("ttft_later_median_s")}
+
+
+def pooled(side: str, runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """All runs of one side together: mean wall, TTFT percentiles over every turn of every run."""
+    mine = [r for r in runs if r["side"] == side]
+    if not mine:
+        return None
+    rows = [row for r in mine for row in r["rows"]]
+    summary = side_summary(side, 0, statistics.mean(r["wall_s"] for r in mine), rows, [None, None])
+    del summary["rows"], summary["load_average_before"], summary["load_average_after"]
+    return summary
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(
+        "\n| run | side | wall s | turn-1 TTFT p50 / p95 s | later TTFT p50 / p95 s | turn total p50 s "
+        "| prompt reused (later turns) | load avg before -> after |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in [*report["runs"], *[p for p in report["pooled"].values() if p]]:
+        load = (
+            f"{r['load_average_before'][0]:.1f} -> {r['load_average_after'][0]:.1f}"
+            if "load_average_before" in r
+            else "-"
+        )
+        print(
+            f"| {r['run'] or 'all'} | {r['side']} | {r['wall_s']:.1f} "
+            f"| {fmt(r['ttft_turn1_median_s'])} / {fmt(r['ttft_turn1_p95_s'])} "
+            f"| {fmt(r['ttft_later_median_s'])} / {fmt(r['ttft_later_p95_s'])} "
+            f"| {fmt(r['turn_total_median_s'])} | {r['reused_share_later_turns']:.0%} | {load} |"
+        )
+    if report["ratios"]:
+        print("\n| run | wall server / kvrq | later-turn TTFT p50 server / kvrq |")
+        print("|---|---|---|")
+        for run, rat in report["ratios"].items():
+            print(f"| {run} | {fmt(rat['wall'])} | {fmt(rat['ttft_later_median'])} |")
+
+
+def main() -> int:
+    ensure_fast_blas(sys.argv)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--agents", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--only", choices=["kvrq", "server"])
+    parser.add_argument(
+        "--server-blas-threads",
+        type=int,
+        default=1,
+        help="OPENBLAS_NUM_THREADS for mlx_lm.server; 0: unset [1]",
+    )
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agents.json"))
+    args = parser.parse_args()
+    sides = [args.only] if args.only else ["kvrq", "server"]
+
+    report: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/bench_agents.py", *sys.argv[1:]]),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "mlx": version("mlx"),
+            "mlx_lm": version("mlx-lm"),
+        },
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "load_average_before": os.getloadavg(),
+    }
+    with tempfile.TemporaryDirectory(prefix="kvrq-agents-export-") as tmp:
+        folder = Path(tmp) / "smollm2-135m-mlx"
+        if "server" in sides:
+            print("exporting the builtin model for mlx_lm.server ...", flush=True)
+            check = [{"role": "system", "content": briefing(0)}, {"role": "user", "content": question(0, 0)}]
+            report["export_check"] = export_model(folder, check, args.max_tokens)
+            print(f"export check passed: {report['export_check']['text']!r}", flush=True)
+        runs: list[dict[str, Any]] = []
+        for run in range(1, args.runs + 1):
+            for side in sides if run % 2 else sides[::-1]:
+                print(f"run {run}: {side} ({args.agents} agents x {args.turns} turns) ...", flush=True)
+                before = os.getloadavg()
+                wall, rows = run_kvrq(args) if side == "kvrq" else run_server(args, folder)
+                runs.append(side_summary(side, run, wall, rows, [before, os.getloadavg()]))
+                print(f"  wall {wall:.1f} s", flush=True)
+    report["load_average_after"] = os.getloadavg()
+    report["runs"] = runs
+    report["pooled"] = {side: pooled(side, runs) for side in sides}
+    report["ratios"] = {}
+    if len(sides) == 2:
+        for run in range(1, args.runs + 1):
+            k, s = (next(r for r in runs if r["run"] == run and r["side"] == x) for x in ("kvrq", "server"))
+            report["ratios"][str(run)] = ratios(k, s)
+        report["ratios"]["all"] = ratios(report["pooled"]["kvrq"], report["pooled"]["server"])
+        report["same_turn1_answers"] = [
+            sum(
+                a["text"] == b["text"]
+                for a in r["rows"]
+                for b in s["rows"]
+                if a["turn"] == b["turn"] == 1 and a["agent"] == b["agent"]
+            )
+            for r, s in zip(
+                [r for r in runs if r["side"] == "kvrq"],
+                [r for r in runs if r["side"] == "server"],
+                strict=True,
+            )
+        ]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        f"\n{args.agents} agents x {args.turns} turns, {args.max_tokens} new tokens a turn; "
+        f"load average {report['load_average_before'][0]:.1f} -> {report['load_average_after'][0]:.1f}"
+    )
+    print_table(report)
+    if "same_turn1_answers" in report:
+        print(
+            f"\nturn-1 answers equal on both sides, per run: {report['same_turn1_answers']} of {args.agents}"
+        )
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
