@@ -187,8 +187,10 @@ def history_for(tokenizer: Any, target_tokens: int) -> list[dict[str, str]]:
 
 def warm_vs_cold(
     producer: Any, tokenizer: Any, target_tokens: int, repeats: int, settle_s: float = 0.0
-) -> dict[str, Any]:
-    """`settle_s` after turn 1 lets the store's write-behind reach the backend (a store read, not memory)."""
+) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The figures, and the last turn 2's messages (the floor replays them on raw mlx-lm).
+
+    `settle_s` after turn 1 lets the store's write-behind reach the backend (a store read, not memory)."""
     warm, cold, loads, prompt_sizes, reused, warm_engine, cold_engine = [], [], [], [], [], [], []
     for _ in range(repeats):
         agent = f"bench-{uuid.uuid4().hex[:8]}"
@@ -223,8 +225,7 @@ def warm_vs_cold(
         "cold_engine_first_token_s": statistics.median(cold_engine),
         "speedup": cold_median / warm_median,
         "repeats": repeats,
-        "turn2": turn2,
-    }
+    }, turn2
 
 
 def raw_floor(model: Any, prompt: list[int], cached: int, workdir: Path, repeats: int) -> dict[str, float]:
@@ -265,8 +266,7 @@ def floor(
         print(f"floor {n} ...", flush=True)
         # history_for overshoots by up to one briefing (~100 tokens): keep turn 1 inside the context
         # settle: turn 2 comes once turn 1's cache is written (a 377 MB write at 8K), as raw's file is
-        through = warm_vs_cold(producer, tokenizer, min(n, context - 250), repeats, settle_s=n / 1024)
-        turn2 = through.pop("turn2")
+        through, turn2 = warm_vs_cold(producer, tokenizer, min(n, context - 250), repeats, settle_s=n / 1024)
         tokens = prompt_tokens(tokenizer, GenerationRequest.model_validate({"messages": turn2}))
         raw = raw_floor(model, tokens, through["reused_tokens"], workdir, repeats)
         rows[n] = {**through, **raw, "vs_floor": through["speedup"] / raw["raw_speedup"]}
@@ -337,7 +337,7 @@ def main() -> int:
                 report["queue_overhead"] = queue_overhead(producer, repeats)
             if "warm" in parts:
                 print("warm vs cold ...", flush=True)
-                hot = {n: warm_vs_cold(producer, tokenizer, n, warm_repeats) for n in (1024, 2048)}
+                hot = {n: warm_vs_cold(producer, tokenizer, n, warm_repeats)[0] for n in (1024, 2048)}
             if "floor" in parts:
                 contexts = tuple(int(n) for n in args.floor_contexts.split(","))
                 report["floor"] = floor(producer, model, tokenizer, workdir, contexts)
@@ -347,18 +347,17 @@ def main() -> int:
             with worker_process(url, store=f"disk:{workdir / 'cache-disk'}", env=disk_env):
                 through_worker(producer, requests[:1])  # warm-up
                 disk = {
-                    n: warm_vs_cold(producer, tokenizer, n, warm_repeats, settle_s=2.0) for n in (1024, 2048)
+                    n: warm_vs_cold(producer, tokenizer, n, warm_repeats, settle_s=2.0)[0]
+                    for n in (1024, 2048)
                 }
             print("worker (hot tier off: caches read from the Redis store) ...", flush=True)
             with worker_process(url, store="redis", env=disk_env):
                 through_worker(producer, requests[:1])  # warm-up
                 from_redis = {
-                    n: warm_vs_cold(producer, tokenizer, n, warm_repeats, settle_s=2.0) for n in (1024, 2048)
+                    n: warm_vs_cold(producer, tokenizer, n, warm_repeats, settle_s=2.0)[0]
+                    for n in (1024, 2048)
                 }
-            report["warm_vs_cold"] = {
-                store: {n: {k: v for k, v in row.items() if k != "turn2"} for n, row in rows.items()}
-                for store, rows in (("hot_tier", hot), ("disk", disk), ("redis", from_redis))
-            }
+            report["warm_vs_cold"] = {"hot_tier": hot, "disk": disk, "redis": from_redis}
     if "throughput" in parts:
         print("sequential mlx_lm.generate ...", flush=True)
         sequential = sequential_generate(model, tokenizer, prompts, max_tokens)

@@ -302,7 +302,9 @@ class BlockPoolBatchEngine:
         kv = self._backend.finish(seq.uid, want_kv)
         if kv is not None and self.spec.all_full_attention:
             host = host_layers(kv.layers, len(kv.tokens), self.spec)  # MLX calls stay on this thread
-            blocks = self._cutter.submit(copy_into_blocks, host, list(kv.tokens), self.spec, self._slab, True)
+            blocks = self._cutter.submit(
+                copy_into_blocks, host, list(kv.tokens), self.spec, self._slab, background=True
+            )
             self._cuts.append(_Cut(seq, reason, kv, blocks))
             return None
         self.pool.free(seq.uid)

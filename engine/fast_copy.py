@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 PAGE = 4096
-ALIASING_WINDOW = 64
+_ALIASING_WINDOW = 64
 
 
 class _Bounce(threading.local):
@@ -33,9 +33,17 @@ class _Bounce(threading.local):
 _bounce = _Bounce()
 
 
+def address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def aliases_at(destination_address: int, source: np.ndarray) -> bool:
+    """Whether a forward copy of `source` to `destination_address` hits 4K aliasing."""
+    return 0 < (destination_address - address(source)) % PAGE < _ALIASING_WINDOW
+
+
 def aliases(destination: np.ndarray, source: np.ndarray) -> bool:
-    gap = destination.__array_interface__["data"][0] - source.__array_interface__["data"][0]
-    return 0 < gap % PAGE < ALIASING_WINDOW
+    return aliases_at(address(destination), source)
 
 
 def copy_array(destination: np.ndarray, source: np.ndarray) -> None:

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
-from engine.fast_copy import ALIASING_WINDOW, PAGE, copy_array
+from engine.fast_copy import address, aliases_at, copy_array
 from engine.host_slab import BlockSlab
 from engine.spec import ModelCacheSpec
 
@@ -174,12 +174,10 @@ def _concatenate_into(destination: np.ndarray, sources: list[np.ndarray], n_toke
     """Copy `sources` (heads, tokens_i, dim) side by side into destination[:, :n_tokens]: one
     numpy call, unless a piece would hit 4K aliasing (engine/fast_copy.py), then piece by piece."""
     target = destination[:, :n_tokens]
-    row_bytes = destination.strides[1]
-    base = destination.__array_interface__["data"][0]
+    row_bytes, base = destination.strides[1], address(destination)
     offset, aliased = 0, False
     for source in sources:
-        gap = base + offset * row_bytes - source.__array_interface__["data"][0]
-        aliased = aliased or 0 < gap % PAGE < ALIASING_WINDOW
+        aliased = aliased or aliases_at(base + offset * row_bytes, source)
         offset += source.shape[1]
     if not aliased:
         np.concatenate(sources, axis=1, out=target)
