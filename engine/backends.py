@@ -132,7 +132,7 @@ class RaggedBackend:
         return self.generator.prompt_tokens_run
 
     def close(self) -> None:
-        self.generator.rows.clear()
+        self.generator.close()
 
 
 class MlxBatchBackend:

@@ -31,6 +31,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
+
 Sampler = Callable[[mx.array], mx.array]
 
 # Model modules whose attention goes through base.scaled_dot_product_attention with
@@ -40,37 +42,31 @@ SUPPORTED_MODULES = frozenset(
 )
 
 
-# Decoding rows up to this many tokens attend in one padded, masked batch: copying their
-# K/V into it costs less than a per-row attention call (a dozen small ops per row and
-# layer, ~20 µs each on this CPU). Longer rows attend alone and pad nobody.
-SHORT_ROW_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class ShortGroup:
-    """The first `size` runs of a step: decoding rows of at most SHORT_ROW_TOKENS tokens."""
-
-    size: int
-    width: int  # the longest of them, after this step's token
-    mask: mx.array  # (size, 1, 1, width): True where a row has a token
-
-
 class FlatLayerCache:
     """One layer's view of a step: rows' token runs laid out as a (tokens, 1) batch.
 
-    `offset` gives every token its own rope position; K/V of each run go into its row's
-    KVCache. Attention: the short group (if any) in one masked call over its rows' K/V
-    copied side by side, every other row alone over its own length (causal within a run
-    of several tokens).
+    `offset` gives every token its own rope position. The first `slot_step.size` tokens
+    belong to the short rows in the ShortSlots (written by one scatter, attended in one
+    masked call); every other run's K/V go into its row's own KVCache and it attends
+    alone over its own length (causal within a run of several tokens).
     """
 
     def __init__(
-        self, rows: list[Any], run_lengths: list[int], positions: mx.array, short: ShortGroup | None = None
+        self,
+        rows: list[Any],
+        run_lengths: list[int],
+        positions: mx.array,
+        slots: ShortSlots,
+        slot_step: SlotStep | None,
+        layer: int,
     ) -> None:
         self.rows = rows
         self.run_lengths = run_lengths
-        self.short = short
         self.offset = positions  # (tokens,): what the model hands to rope
+        self.slots = slots
+        self.slot_step = slot_step
+        self.layer = layer
+        self.skip = slot_step.size if slot_step is not None else 0
         bounds, total = [], 0
         for n in run_lengths[:-1]:
             total += n
@@ -79,61 +75,34 @@ class FlatLayerCache:
         self._fetched: list[tuple[mx.array, mx.array]] = []
 
     def _runs(self, flat: mx.array) -> list[mx.array]:
-        """(tokens, heads, 1, dim) -> one (1, heads, run, dim) array per row (a run of one
-        token is already that shape: no extra op, which matters at a few µs per op)."""
+        """(tokens, heads, 1, dim) past the slotted rows -> one (1, heads, run, dim) array per
+        row (a run of one token is already that shape: no extra op, at a few µs per op)."""
+        if not self.rows:
+            return []
+        if self.skip:
+            flat = flat[self.skip :]
         parts = mx.split(flat, self._bounds, axis=0) if self._bounds else [flat]
         return [
             part if n == 1 else part.swapaxes(0, 2) for part, n in zip(parts, self.run_lengths, strict=True)
         ]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.slot_step is not None:
+            self.slots.write(self.layer, self.slot_step, keys[: self.skip], values[: self.skip])
         self._fetched = [
             row.update_and_fetch(k, v)
             for row, k, v in zip(self.rows, self._runs(keys), self._runs(values), strict=True)
         ]
-        return keys, values  # placeholders: attention reads self._fetched
+        return keys, values  # placeholders: attention reads the slots and self._fetched
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None  # attention is per row (FlatLayerCache.attend)
 
-    def _short_group_attention(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
-        assert self.short is not None
-        size, width = self.short.size, self.short.width
-        keys = mx.concatenate(
-            [
-                self._widened(row.keys, k, width)
-                for row, (k, _) in zip(self.rows[:size], self._fetched[:size], strict=True)
-            ],
-            axis=0,
-        )
-        values = mx.concatenate(
-            [
-                self._widened(row.values, v, width)
-                for row, (_, v) in zip(self.rows[:size], self._fetched[:size], strict=True)
-            ],
-            axis=0,
-        )
-        return mx.fast.scaled_dot_product_attention(
-            queries[:size], keys, values, scale=scale, mask=self.short.mask, sinks=sinks
-        )
-
-    @staticmethod
-    def _widened(buffer: mx.array, fetched: mx.array, width: int) -> mx.array:
-        """A row's K or V over `width` positions: its buffer read that far where it is large
-        enough (what lies past the row's tokens is masked out: old K/V or zeros, finite),
-        else its tokens padded with zeros. One op either way."""
-        if buffer.shape[2] >= width:
-            return buffer[..., :width, :]
-        return mx.pad(fetched, [(0, 0), (0, 0), (0, width - fetched.shape[2]), (0, 0)])
-
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         outputs = []
-        skip = 0
-        if self.short is not None:
-            outputs.append(self._short_group_attention(queries, scale, sinks))
-            skip = self.short.size
-        runs = self._runs(queries)[skip:]
-        for q, (k, v), n in zip(runs, self._fetched[skip:], self.run_lengths[skip:], strict=True):
+        if self.slot_step is not None:
+            outputs.append(self.slots.attend(self.layer, self.slot_step, queries[: self.skip], scale, sinks))
+        for q, (k, v), n in zip(self._runs(queries), self._fetched, self.run_lengths, strict=True):
             if n == 1:
                 outputs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, sinks=sinks))
             else:
@@ -188,6 +157,11 @@ class Row:
     sampled: list[int] = field(default_factory=list)
 
     @property
+    def length(self) -> int:
+        """Tokens whose K/V the row holds (in its slot or its own layers)."""
+        return len(self.cached_tokens)
+
+    @property
     def decoding(self) -> bool:
         return bool(self.sampled)
 
@@ -224,6 +198,7 @@ class RaggedBatchGenerator:
         self.prompt_tokens_run = 0  # prompt tokens fed, less each prompt's last (as mlx-lm counts)
         self.steps = 0
         self.last_step = StepStats()
+        self.slots = ShortSlots()
         self._next_uid = 0
 
     def insert(
@@ -254,10 +229,18 @@ class RaggedBatchGenerator:
         return uid
 
     def remove(self, uid: int) -> Row | None:
-        return self.rows.pop(uid, None)
+        """Take a row out; its own layers then hold all its K/V."""
+        row = self.rows.pop(uid, None)
+        if row is not None and row in self.slots:
+            self.slots.leave(row)
+        return row
 
     def has_work(self) -> bool:
         return bool(self.rows)
+
+    def close(self) -> None:
+        self.rows.clear()
+        self.slots.clear()
 
     def step(self) -> list[RowToken]:
         """One forward pass: one token of every decoding row plus up to prefill_tokens_per_step
@@ -265,8 +248,10 @@ class RaggedBatchGenerator:
         samples its first token from it. Finished rows stay until `remove`."""
         self.steps += 1
         live = [row for row in self.rows.values() if not row.finished]
-        decoding = sorted((row for row in live if row.decoding), key=lambda r: r.layers[0].offset)
-        runs = [(row, 1) for row in decoding]  # short rows first: they form the short group
+        self._assign_slots(live)
+        slotted = list(self.slots.rows)  # first: their tokens lead the flat batch
+        runs = [(row, 1) for row in slotted]
+        runs += [(row, 1) for row in live if row.decoding and row not in self.slots]
         budget = self.prefill_tokens_per_step
         prefilling = sorted(
             (row for row in live if not row.decoding),
@@ -307,20 +292,15 @@ class RaggedBatchGenerator:
         self.last_step = stats
         return out
 
-    @staticmethod
-    def _short_group(runs: list[tuple[Row, int]]) -> ShortGroup | None:
-        """The leading decoding runs short enough to attend together (2 or more, else None)."""
-        sizes = []
-        for row, n in runs:
-            after = row.layers[0].offset + 1
-            if n != 1 or after > SHORT_ROW_TOKENS:
-                break
-            sizes.append(after)
-        if len(sizes) < 2:
-            return None
-        width = max(sizes)
-        mask = mx.arange(width)[None, :] < mx.array(sizes)[:, None]
-        return ShortGroup(len(sizes), width, mask[:, None, None, :])
+    def _assign_slots(self, live: list[Row]) -> None:
+        """Finished rows and rows about to outgrow SHORT_ROW_TOKENS leave the slots; short
+        decoding rows enter them."""
+        for row in list(self.slots.rows):
+            if row.finished or row.length + 1 > SHORT_ROW_TOKENS:
+                self.slots.leave(row)
+        for row in live:
+            if row.decoding and row.length + 1 <= SHORT_ROW_TOKENS and row not in self.slots:
+                self.slots.enter(row)
 
     def _forward(self, runs: list[tuple[Row, int]]) -> dict[int, int]:
         """Run the flat batch; sample a token for every row whose pending tokens all ran."""
@@ -328,14 +308,16 @@ class RaggedBatchGenerator:
         positions: list[int] = []
         for row, n in runs:
             tokens.extend(row.pending[:n])
-            base = row.layers[0].offset
-            positions.extend(range(base, base + n))
+            positions.extend(range(row.length, row.length + n))
         n_layers = len(runs[0][0].layers)
-        lengths = [n for _, n in runs]
+        slot_step = self.slots.prepare_step()
+        own = runs[slot_step.size :] if slot_step is not None else runs
+        lengths = [n for _, n in own]
         position_array = mx.array(positions)
-        short = self._short_group(runs)
         caches = [
-            FlatLayerCache([row.layers[i] for row, _ in runs], lengths, position_array, short)
+            FlatLayerCache(
+                [row.layers[i] for row, _ in own], lengths, position_array, self.slots, slot_step, i
+            )
             for i in range(n_layers)
         ]
         logits = self.model(mx.array(tokens)[:, None], cache=caches)[:, -1, :]
@@ -344,8 +326,13 @@ class RaggedBatchGenerator:
             last += n
             ends.append(last)
         finishing = [(row, end) for (row, n), end in zip(runs, ends, strict=True) if n == len(row.pending)]
+        written = [
+            self.slots.keys,
+            self.slots.values,
+            [(layer.keys, layer.values) for row, _ in own for layer in row.layers],
+        ]
         if not finishing:
-            mx.eval([(layer.keys, layer.values) for row, _ in runs for layer in row.layers])
+            mx.eval(written)
             return {}
         picked = logits[mx.array([end for _, end in finishing])]
         logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
@@ -359,6 +346,6 @@ class RaggedBatchGenerator:
                     for (row, _), part in zip(finishing, parts, strict=True)
                 ]
             )
-        mx.eval(choice, [(layer.keys, layer.values) for row, _ in runs for layer in row.layers])
+        mx.eval(choice, written)
         values: list[int] = choice.tolist()  # type: ignore[assignment]
         return {row.uid: token for (row, _), token in zip(finishing, values, strict=True)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from engine.blocks import AgentCache
@@ -235,3 +236,66 @@ def test_cutting_a_finished_cache_runs_off_the_step_thread(
     assert engine.pool.held_by(ending) == 0
     engine.cancel(running)
     assert not engine.has_work()
+
+
+def test_short_rows_leaving_the_slots_in_any_order_keep_everyone_s_tokens(model: object) -> None:
+    # Six short rows (the slots grow from 4 to 8, and past 128 tokens each), ending at
+    # different steps: every leaving row's slot is refilled by moving the last one in.
+    shapes = [(20, 5), (60, 40), (120, 12), (90, 150), (30, 3), (70, 70)]
+    requests = [
+        (prompt(n, salt=i), SamplingParams(max_tokens=m, stop_tokens=())) for i, (n, m) in enumerate(shapes)
+    ]
+    alone = []
+    for p, params in requests:
+        eng = make_engine(model)
+        uid = eng.submit("a", p, params)
+        alone.append(run_all(eng)[uid].token_ids)
+    together = make_engine(model)
+    uids = [together.submit(f"a{i}", p, params) for i, (p, params) in enumerate(requests)]
+    slots = together._backend.generator.slots  # type: ignore[attr-defined]
+    most_slotted = most_slots = most_capacity = 0
+    done: dict[int, Completion] = {}
+    while together.has_work():
+        for completion in together.step().completions:
+            done[completion.uid] = completion
+        most_slotted = max(most_slotted, len(slots.rows))
+        most_slots, most_capacity = max(most_slots, slots.slots), max(most_capacity, slots.capacity)
+    assert most_slotted >= 5, "the short rows decoded side by side in the slots"
+    assert most_slots >= 8 and most_capacity >= 256, "which grew on both axes"
+    assert not slots.keys, "and were freed once the last row left"
+    assert [done[u].token_ids for u in uids] == alone
+
+
+def test_a_cache_cut_from_a_slotted_row_resumes_like_a_fresh_prefill(model: object) -> None:
+    eng = make_engine(model)
+    mates = [eng.submit(f"m{i}", prompt(40, salt=i), GREEDY_LONG) for i in range(3)]
+    uid = eng.submit("agent", prompt(100, salt=7), SamplingParams(max_tokens=30, stop_tokens=()))
+    done: dict[int, Completion] = {}
+    while uid not in done:
+        for completion in eng.step().completions:
+            done[completion.uid] = completion
+    cache = done[uid].cache
+    assert cache is not None and cache.n_tokens == 100 + 29
+    prefilled_engine = make_engine(model)
+    prefilled_uid = prefilled_engine.submit(
+        "p", cache.token_ids, SamplingParams(max_tokens=1, stop_tokens=())
+    )
+    prefilled = run_all(prefilled_engine)[prefilled_uid].cache
+    assert prefilled is not None and prefilled.n_tokens == cache.n_tokens
+    for mine, theirs in zip(cache.blocks, prefilled.blocks, strict=True):
+        for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values, strict=True):
+            # the decoded K/V equal the prefilled ones, up to float rounding
+            np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
+    full = cache.token_ids + prompt(9, salt=8)
+    params = SamplingParams(max_tokens=10, stop_tokens=())
+    fresh_engine = make_engine(model)
+    fresh_uid = fresh_engine.submit("f", full, params)
+    fresh = run_all(fresh_engine)[fresh_uid].token_ids
+    resumed_uid = eng.submit("agent", full, params, cache=cache)
+    while resumed_uid not in done:
+        for completion in eng.step().completions:
+            done[completion.uid] = completion
+    assert done[resumed_uid].usage.reused_tokens == cache.n_tokens
+    assert done[resumed_uid].token_ids == fresh
+    assert all(eng.cancel(m) is not None for m in mates), "a canceled slotted row leaves cleanly"
+    assert not eng._backend.generator.slots.rows  # type: ignore[attr-defined]
