@@ -5,6 +5,7 @@ joining with a long cache pads every batch mate to its length (a copy of the who
 batch), and from then on every row attends over that padding: 8 short rows joined by
 one 1.7K-token row decoded 3.1x slower per step. Here each row owns its layers'
 (1, heads, capacity, dim) buffers (plain mlx-lm KVCaches, grown in 256-token steps),
+except short decoding rows, which sit side by side in the ShortSlots (engine/short_slots.py),
 and each step is ONE forward pass over a flat batch of tokens:
 
 - every decoding row contributes its one next token, rows still in their prompt a chunk
@@ -12,13 +13,16 @@ and each step is ONE forward pass over a flat batch of tokens:
   of them (the weights, which dominate a step's memory traffic, are read once), each
   token carries its own position for rope, and attention runs per row over that row's
   own length (FlatLayerCache routes the model's scaled_dot_product_attention to one
-  call per row), so nobody reads padding and nobody waits for a separate prefill pass;
+  call per long row and one for all the short ones), so nobody reads a long row's padding
+  and nobody waits for a separate prefill pass;
 - joining copies nothing: a row's buffers were filled by the gather of its saved blocks;
   a warm agent's short suffix rides in the next step and its first token comes out of it;
 - prompt tokens per step are bounded (`prefill_tokens_per_step`), shortest remaining
   prefill first: a warm agent's suffix is never stuck behind a burst of long cold
   prompts, and the first of a burst finish after their own prefill, not the whole
-  burst's; decoding rows get a token every step whatever is being prefilled.
+  burst's; a step in which a prompt finishes carries no chunk of an unfinished one (at
+  most every other step), so a warm agent's first token comes from a short step;
+  decoding rows get a token every step whatever is being prefilled.
 """
 
 from __future__ import annotations
@@ -199,6 +203,7 @@ class RaggedBatchGenerator:
         self.steps = 0
         self.last_step = StepStats()
         self.slots = ShortSlots()
+        self._held_back_last_step = False
         self._next_uid = 0
 
     def insert(
@@ -252,17 +257,7 @@ class RaggedBatchGenerator:
         slotted = list(self.slots.rows)  # first: their tokens lead the flat batch
         runs = [(row, 1) for row in slotted]
         runs += [(row, 1) for row in live if row.decoding and row not in self.slots]
-        budget = self.prefill_tokens_per_step
-        prefilling = sorted(
-            (row for row in live if not row.decoding),
-            key=lambda r: (len(r.pending), r.inserted_step, r.uid),
-        )
-        for row in prefilling:
-            if budget <= 0:
-                break
-            n = min(budget, len(row.pending))
-            runs.append((row, n))
-            budget -= n
+        runs += self._prefill_chunks([row for row in live if not row.decoding])
         stats = StepStats(decode_rows=sum(1 for row in live if row.decoding))
         if not runs:
             self.last_step = stats
@@ -291,6 +286,30 @@ class RaggedBatchGenerator:
             out.append(RowToken(row.uid, token, reason))
         self.last_step = stats
         return out
+
+    def _prefill_chunks(self, prefilling: list[Row]) -> list[tuple[Row, int]]:
+        """This step's prompt tokens: shortest remaining prompt first, within the budget.
+
+        A step in which a prompt finishes carries no chunk of a longer one that does not:
+        the finishing row (typically a warm agent's suffix) gets its first token from a step
+        as short as the decode steps, not one carrying a whole budget of someone's cold
+        prompt. So that long prompts are never starved, the chunk held back goes into the
+        next step whatever finishes there.
+        """
+        budget = self.prefill_tokens_per_step
+        chunks: list[tuple[Row, int]] = []
+        held_back = False
+        for row in sorted(prefilling, key=lambda r: (len(r.pending), r.inserted_step, r.uid)):
+            if budget <= 0:
+                break
+            n = min(budget, len(row.pending))
+            if n < len(row.pending) and chunks and not self._held_back_last_step:
+                held_back = True
+                break
+            chunks.append((row, n))
+            budget -= n
+        self._held_back_last_step = held_back
+        return chunks
 
     def _assign_slots(self, live: list[Row]) -> None:
         """Finished rows and rows about to outgrow SHORT_ROW_TOKENS leave the slots; short

@@ -299,3 +299,34 @@ def test_a_cache_cut_from_a_slotted_row_resumes_like_a_fresh_prefill(model: obje
     assert done[resumed_uid].token_ids == fresh
     assert all(eng.cancel(m) is not None for m in mates), "a canceled slotted row leaves cleanly"
     assert not eng._backend.generator.slots.rows  # type: ignore[attr-defined]
+
+
+def test_a_warm_suffix_runs_in_a_step_without_cold_chunks_and_the_cold_prompt_still_advances(
+    engine: BlockPoolBatchEngine,
+) -> None:
+    cache = saved_cache(engine, 300)
+    other = saved_cache(engine, 200)
+    running = engine.submit("r", prompt(10), GREEDY_LONG)
+    cold = engine.submit("c", prompt(900, salt=4), GREEDY_LONG)  # 64 prompt tokens a step
+    generator = engine._backend.generator  # type: ignore[attr-defined]
+    for _ in range(3):
+        engine.step()
+    assert generator.last_step.prompt_tokens == 64, "the cold prompt is being prefilled"
+    warm = engine.submit("agent", cache.token_ids + prompt(17, salt=9), GREEDY_LONG, cache=cache)
+    first = engine.step()
+    assert warm in tokens_of(first) and running in tokens_of(first)
+    assert generator.last_step.prompt_tokens == 17, "the warm suffix's step carried no cold chunk"
+    engine.step()
+    assert generator.last_step.prompt_tokens == 64, "and the cold prompt went on at the next step"
+    second = engine.submit("agent2", other.token_ids + prompt(5, salt=2), GREEDY_LONG, cache=other)
+    engine.step()
+    assert generator.last_step.prompt_tokens == 5
+    third = engine.submit("agent3", other.token_ids + prompt(6, salt=3), GREEDY_LONG, cache=other)
+    engine.step()
+    assert generator.last_step.prompt_tokens == 64, "held back once, the cold chunk goes whatever finishes"
+    assert {second, third} <= tokens_of(engine.step())
+    for _ in range(30):
+        if cold in tokens_of(engine.step()):
+            break
+    else:
+        raise AssertionError("the cold prompt never got its first token")
