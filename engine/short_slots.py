@@ -43,7 +43,7 @@ class SlotStep:
 
     size: int  # rows in the slots: the first `size` tokens of the flat batch
     width: int  # positions attended: the longest slotted row after this step's token
-    mask: mx.array  # (size, 1, 1, width): True where a row has a token
+    mask: mx.array | None  # (size, 1, 1, width): True where a row has a token; None: all rows full
     lines: mx.array  # (size * heads,): buffer line of each new head vector
     positions: mx.array  # (size * heads,): the position it is written to
 
@@ -122,8 +122,10 @@ class ShortSlots:
         width = max(lengths) + 1
         self._grow(len(self.rows), width)
         size, heads = len(self.rows), self.heads
-        sizes = mx.array(lengths) + 1
-        mask = (mx.arange(width)[None, :] < sizes[:, None])[:, None, None, :]
+        mask = None  # rows of one length (a single row, say) read no padding: no masking pass
+        if min(lengths) + 1 < width:
+            sizes = mx.array(lengths) + 1
+            mask = (mx.arange(width)[None, :] < sizes[:, None])[:, None, None, :]
         return SlotStep(
             size=size,
             width=width,
