@@ -252,12 +252,15 @@ class BlockPoolBatchEngine:
 
         A sequence's completion comes with the step its last token does, or a later one when
         its KV is still being cut into blocks on the background thread (the last token's
-        delta is never held back). With nothing running, step() waits for those cuts.
+        delta is never held back). With nothing running and no token to hand out, step() waits
+        for those cuts.
         """
         output = StepOutput()
         if self._sequences:
             self._step_batch(output)
-        output.completions += self._collect_cuts(wait=not self._sequences)
+        # Tokens go out at once: a finished sequence's last token (the first, for max_tokens=1)
+        # must not wait for its cache to be cut; the next call waits for the cut instead.
+        output.completions += self._collect_cuts(wait=not self._sequences and not output.deltas)
         return output
 
     def _step_batch(self, output: StepOutput) -> None:

@@ -330,3 +330,28 @@ def test_a_warm_suffix_runs_in_a_step_without_cold_chunks_and_the_cold_prompt_st
             break
     else:
         raise AssertionError("the cold prompt never got its first token")
+
+
+def test_on_an_idle_engine_the_last_token_goes_out_before_its_cache_is_cut(
+    engine: BlockPoolBatchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import engine.engine as engine_module
+
+    release = threading.Event()
+    real_copy = engine_module.copy_into_blocks
+
+    def slow_copy(*args: object, **kwargs: object) -> AgentCache:
+        assert release.wait(5), "the step waited for the cut before handing out the token"
+        return real_copy(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "copy_into_blocks", slow_copy)
+    uid = engine.submit("a", prompt(200), SamplingParams(max_tokens=1, stop_tokens=()))
+    out = engine.step()  # 64 prompt tokens a step: its one token comes with the fourth
+    while uid not in tokens_of(out):
+        out = engine.step()
+    assert not out.completions and engine.active() == 0 and engine.has_work()
+    release.set()
+    completions = engine.step().completions
+    assert [c.uid for c in completions] == [uid] and completions[0].cache is not None
