@@ -105,13 +105,13 @@ def blocks_to_caches(
         else empty_layer_buffers(spec, round_up(wanted, spec.block_tokens))
     )
     hosts = [(host_view(keys)[0], host_view(values)[0]) for keys, values in buffers]  # MLX calls: here
-    takes = _block_takes(cache, n_tokens)
+    blocks = cache.truncated(n_tokens).blocks  # views: the last one cut to n_tokens
 
     def gather_layers(layer_ids: range) -> None:
         for layer in layer_ids:
             host_keys, host_values = hosts[layer]
-            _concatenate_into(host_keys, [b.keys[layer][:, :t] for b, t in takes], n_tokens)
-            _concatenate_into(host_values, [b.values[layer][:, :t] for b, t in takes], n_tokens)
+            _concatenate_into(host_keys, [block.keys[layer] for block in blocks], n_tokens)
+            _concatenate_into(host_values, [block.values[layer] for block in blocks], n_tokens)
 
     _split_over_two_threads(gather_layers, spec.n_layers, cache.nbytes)
     hosts.clear()  # drop the views: while one lives, MLX copies the buffer instead of updating it
@@ -157,17 +157,6 @@ def _split_over_two_threads(
         work(range(half))
     finally:
         other.result()
-
-
-def _block_takes(cache: AgentCache, n_tokens: int) -> list[tuple[KVBlock, int]]:
-    """The blocks holding the first n_tokens tokens, each with how many of its tokens to take."""
-    takes = []
-    for index, block in enumerate(cache.blocks):
-        start = index * cache.spec.block_tokens
-        if start >= n_tokens:
-            break
-        takes.append((block, min(block.n_tokens, n_tokens - start)))
-    return takes
 
 
 def _concatenate_into(destination: np.ndarray, sources: list[np.ndarray], n_tokens: int) -> None:

@@ -26,15 +26,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.kv_convert import round_up
+
 # Decoding rows up to this many tokens (after the step's token) go into the slots; longer
 # rows attend alone over their own buffers and pad nobody.
 SHORT_ROW_TOKENS = 512
 SLOT_CAPACITY_STEP = 128
 KV_GROWTH_TOKENS = 256  # a row's own buffers grow in these steps, as mlx-lm's KVCache does
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
 
 
 @dataclass(frozen=True)
@@ -61,10 +59,6 @@ class ShortSlots:
     def __contains__(self, row: Any) -> bool:
         return any(slotted is row for slotted in self.rows)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
-
     def enter(self, row: Any) -> None:
         """Copy a decoding row's K/V (all of its `length` tokens) into the next free slot."""
         length = row.length
@@ -81,7 +75,7 @@ class ShortSlots:
         for layer, keys, values in zip(row.layers, self.keys, self.values, strict=True):
             keys[lines, :length, :] = layer.keys[0, :, :length, :]
             values[lines, :length, :] = layer.values[0, :, :length, :]
-        mx.eval(self.keys, self.values)
+        # The copies above hold the row's buffers until the step evaluates them; then they go.
         for layer in row.layers:
             layer.keys = layer.values = None
         self.rows.append(row)
@@ -94,7 +88,7 @@ class ShortSlots:
         for layer, keys, values, (k_dim, v_dim, dtype) in zip(
             row.layers, self.keys, self.values, self._layer_shapes, strict=True
         ):
-            capacity = _round_up(length, KV_GROWTH_TOKENS)
+            capacity = round_up(length, KV_GROWTH_TOKENS)
             layer.keys = mx.zeros((1, self.heads, capacity, k_dim), dtype=dtype)
             layer.values = mx.zeros((1, self.heads, capacity, v_dim), dtype=dtype)
             layer.keys[..., :length, :] = keys[lines, :length, :][None]
@@ -162,7 +156,7 @@ class ShortSlots:
         new_slots = max(self.slots, 4)
         while new_slots < slots:
             new_slots *= 2
-        new_capacity = max(self.capacity, min(_round_up(tokens, SLOT_CAPACITY_STEP), SHORT_ROW_TOKENS))
+        new_capacity = max(self.capacity, min(round_up(tokens, SLOT_CAPACITY_STEP), SHORT_ROW_TOKENS))
         old_lines, lines = self.slots * self.heads, new_slots * self.heads
         grown_keys, grown_values = [], []
         for i, (k_dim, v_dim, dtype) in enumerate(self._layer_shapes):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -56,6 +57,21 @@ def saved_cache(engine: BlockPoolBatchEngine, n_tokens: int) -> AgentCache:
     cache = run_all(engine)[uid].cache
     assert cache is not None and cache.n_tokens == n_tokens + 1
     return cache
+
+
+def block_the_cut(monkeypatch: pytest.MonkeyPatch, seconds: float, message: str) -> threading.Event:
+    """Make the background cut of finished caches wait until the returned event is set."""
+    import engine.engine as engine_module
+
+    release = threading.Event()
+    real_copy = engine_module.copy_into_blocks
+
+    def slow_copy(*args: object, **kwargs: object) -> AgentCache:
+        assert release.wait(seconds), message
+        return real_copy(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "copy_into_blocks", slow_copy)
+    return release
 
 
 def test_the_tiny_llama_runs_ragged(engine: BlockPoolBatchEngine) -> None:
@@ -198,18 +214,7 @@ def test_rows_crossing_from_the_short_group_to_attending_alone_keep_their_tokens
 def test_cutting_a_finished_cache_runs_off_the_step_thread(
     engine: BlockPoolBatchEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
-    import engine.engine as engine_module
-
-    release = threading.Event()
-    real_copy = engine_module.copy_into_blocks
-
-    def slow_copy(*args: object, **kwargs: object) -> AgentCache:
-        assert release.wait(30), "the test never let the copy finish"
-        return real_copy(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(engine_module, "copy_into_blocks", slow_copy)
+    release = block_the_cut(monkeypatch, 30, "the test never let the copy finish")
     running = engine.submit("r", prompt(10), GREEDY_LONG)
     ending = engine.submit("e", prompt(300, salt=4), SamplingParams(max_tokens=2, stop_tokens=()))
     held = engine.pool.held_by(ending)
@@ -335,18 +340,7 @@ def test_a_warm_suffix_runs_in_a_step_without_cold_chunks_and_the_cold_prompt_st
 def test_on_an_idle_engine_the_last_token_goes_out_before_its_cache_is_cut(
     engine: BlockPoolBatchEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
-    import engine.engine as engine_module
-
-    release = threading.Event()
-    real_copy = engine_module.copy_into_blocks
-
-    def slow_copy(*args: object, **kwargs: object) -> AgentCache:
-        assert release.wait(5), "the step waited for the cut before handing out the token"
-        return real_copy(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(engine_module, "copy_into_blocks", slow_copy)
+    release = block_the_cut(monkeypatch, 5, "the step waited for the cut before handing out the token")
     uid = engine.submit("a", prompt(200), SamplingParams(max_tokens=1, stop_tokens=()))
     out = engine.step()  # 64 prompt tokens a step: its one token comes with the fourth
     while uid not in tokens_of(out):
