@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.attention import AttentionCall, attend
 from engine.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 
 Sampler = Callable[[mx.array], mx.array]
@@ -103,15 +104,16 @@ class FlatLayerCache:
         return None  # attention is per row (FlatLayerCache.attend)
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
-        outputs = []
+        calls = []
         if self.slot_step is not None:
-            outputs.append(self.slots.attend(self.layer, self.slot_step, queries[: self.skip], scale, sinks))
+            calls.append(self.slots.attention_call(self.layer, self.slot_step, queries[: self.skip]))
         for q, (k, v), n in zip(self._runs(queries), self._fetched, self.run_lengths, strict=True):
-            if n == 1:
-                outputs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, sinks=sinks))
-            else:
-                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=sinks)
-                outputs.append(out.swapaxes(0, 2))
+            calls.append(AttentionCall(q, k, v, mask=None if n == 1 else "causal"))
+        outputs = attend(calls, scale, sinks)
+        first_run = 0 if self.slot_step is None else 1
+        for i, n in enumerate(self.run_lengths, start=first_run):
+            if n > 1:  # (1, heads, n, dim) -> the flat batch's (n, heads, 1, dim)
+                outputs[i] = outputs[i].swapaxes(0, 2)
         self._fetched = []
         return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 

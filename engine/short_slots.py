@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.attention import AttentionCall
 from engine.kv_convert import round_up
 
 # Decoding rows up to this many tokens (after the step's token) go into the slots; longer
@@ -133,14 +134,13 @@ class ShortSlots:
         self.keys[layer][step.lines, step.positions] = keys.reshape(step.size * self.heads, -1)
         self.values[layer][step.lines, step.positions] = values.reshape(step.size * self.heads, -1)
 
-    def attend(
-        self, layer: int, step: SlotStep, queries: mx.array, scale: float, sinks: mx.array | None
-    ) -> mx.array:
+    def attention_call(self, layer: int, step: SlotStep, queries: mx.array) -> AttentionCall:
+        """The slotted rows' attention over the buffers in place: (size, heads, width, dim) views."""
         keys, values = self.keys[layer], self.values[layer]
         shape = (self.slots, self.heads, self.capacity)
         k = keys.reshape(*shape, -1)[: step.size, :, : step.width]
         v = values.reshape(*shape, -1)[: step.size, :, : step.width]
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=step.mask, sinks=sinks)
+        return AttentionCall(queries, k, v, mask=step.mask)
 
     def clear(self) -> None:
         """Free the buffers (the rows in them, if any, are dropped with their K/V)."""

@@ -1,0 +1,84 @@
+"""One layer's attention calls for the ragged step, with the softmax in numpy on the CPU.
+
+Why: MLX's CPU `exp` is scalar (every element goes through seven software fma calls),
+15-23 ns per float32 element against numpy's vectorized 1-3 ns, and attention over many
+scores is dominated by it. A warm agent's 17 suffix tokens over 8K of history took 25.7 ms
+per layer with `mx.fast.scaled_dot_product_attention` and 8.1 ms split this way; 16 short
+rows decoding over 512 tokens 4.8 vs 2.8 ms (docs/platform.md). So on the CPU a layer's
+calls run in three parts: all their scores (MLX matmuls), evaluated together (one sync per
+layer), the masked softmax in numpy, then the weighted sum of the values (MLX matmuls).
+Elsewhere (Metal, CUDA), with attention sinks, or for other dtypes than float32, the fused call.
+
+Guarantee: the same attention up to float32 rounding (max difference ~5e-7 on unit-scale
+inputs): greedy tokens equal mlx_lm.generate's in the parity tests. KVRQ_NUMPY_SOFTMAX=0
+turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    queries: mx.array  # (batch, heads, queries, dim)
+    keys: mx.array  # (batch, kv_heads, keys, dim)
+    values: mx.array  # (batch, kv_heads, keys, value_dim)
+    # "causal": the queries are the last tokens of the keys; a bool (batch, 1, 1, keys)
+    # array: True where a key may be attended; None: every key.
+    mask: mx.array | str | None = None
+
+
+def numpy_softmax_on() -> bool:
+    return mx.default_device() == mx.cpu and os.environ.get("KVRQ_NUMPY_SOFTMAX", "1") != "0"
+
+
+def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
+    """Each call's attention output, (batch, heads, queries, value_dim), in order."""
+    if sinks is not None or not numpy_softmax_on() or any(c.queries.dtype != mx.float32 for c in calls):
+        fused = mx.fast.scaled_dot_product_attention
+        return [fused(c.queries, c.keys, c.values, scale=scale, mask=c.mask, sinks=sinks) for c in calls]
+    scores = [_scores(call, scale) for call in calls]
+    masks = [call.mask for call in calls if isinstance(call.mask, mx.array)]
+    mx.eval(scores, masks)
+    outputs = []
+    for weights, call in zip(scores, calls, strict=True):
+        _softmax_in_place(np.asarray(weights), call)
+        batch, heads, length, _ = call.queries.shape
+        outputs.append((weights @ call.values).reshape(batch, heads, length, call.values.shape[-1]))
+    return outputs
+
+
+def _scores(call: AttentionCall, scale: float) -> mx.array:
+    """(batch, kv_heads, repeats * queries, keys): the query heads sharing a KV head are
+    stacked so that each KV head is one matmul (what grouped-query attention means)."""
+    batch, heads, length, dim = call.queries.shape
+    kv_heads = call.keys.shape[1]
+    queries = (call.queries * mx.array(scale, call.queries.dtype)).reshape(batch, kv_heads, -1, dim)
+    return queries @ call.keys.swapaxes(-1, -2)
+
+
+def _softmax_in_place(scores: np.ndarray, call: AttentionCall) -> None:
+    """Masked softmax over the last axis, written over the scores.
+
+    `scores` is numpy's view of the evaluated MLX array that only this step holds (a
+    matmul's fresh output), so writing it in place is what MLX's numpy interop documents
+    and spares a copy out and a copy back (two passes of five for 8K keys)."""
+    if isinstance(call.mask, mx.array):
+        np.copyto(scores, np.float32(-np.inf), where=np.logical_not(np.asarray(call.mask)))
+    elif isinstance(call.mask, str) and call.queries.shape[2] > 1:
+        length = call.queries.shape[2]
+        per_query = scores.reshape(*scores.shape[:2], -1, length, scores.shape[-1])
+        per_query[..., -length:] += _causal_block(length, scores.dtype)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+
+
+def _causal_block(length: int, dtype: np.dtype) -> np.ndarray:
+    """(length, length): 0 on and below the diagonal, -inf above (query i sees keys <= i)."""
+    return np.triu(np.full((length, length), -np.inf, dtype=dtype), k=1)
