@@ -349,3 +349,26 @@ def test_on_an_idle_engine_the_last_token_goes_out_before_its_cache_is_cut(
     release.set()
     completions = engine.step().completions
     assert [c.uid for c in completions] == [uid] and completions[0].cache is not None
+
+
+def test_the_vocabulary_projection_runs_on_the_sampling_rows_only(
+    engine: BlockPoolBatchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator = engine._backend.generator  # type: ignore[attr-defined]
+    projected: list[int] = []
+    real_head = generator._head
+
+    def counting_head(hidden: object) -> object:
+        projected.append(hidden.shape[0])  # type: ignore[attr-defined]
+        return real_head(hidden)
+
+    monkeypatch.setattr(generator, "_head", counting_head)
+    running = engine.submit("r", prompt(10), GREEDY_LONG)
+    engine.step()
+    assert projected == [1], "a 10-token prompt finishing: its last token only"
+    cold = engine.submit("c", prompt(150, salt=4), GREEDY_LONG)  # 64 prompt tokens a step
+    seen = tokens_of(engine.step())
+    assert projected[-1] == 1 and seen == {running}, "the decoding row only, not the chunk's 64"
+    while cold not in seen:
+        seen = tokens_of(engine.step())
+    assert projected[-1] == 2, "the decoding row and the cold prompt's last token"
