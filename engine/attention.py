@@ -10,17 +10,18 @@ layer), the masked softmax in numpy, then the weighted sum of the values (MLX ma
 Elsewhere (Metal, CUDA), with attention sinks, or for other dtypes than float32, the fused call.
 
 Guarantee: the same attention up to float32 rounding (max difference ~5e-7 on unit-scale
-inputs): greedy tokens equal mlx_lm.generate's in the parity tests. KVRQ_NUMPY_SOFTMAX=0
-turns it off.
+inputs): greedy tokens equal mlx_lm.generate's in the parity tests. KVRQ_NUMPY_EXP=0
+turns it off (engine/numpy_exp.py).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from engine.numpy_exp import numpy_exp_on
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,9 @@ class AttentionCall:
     mask: mx.array | str | None = None
 
 
-def numpy_softmax_on() -> bool:
-    return mx.default_device() == mx.cpu and os.environ.get("KVRQ_NUMPY_SOFTMAX", "1") != "0"
-
-
 def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
     """Each call's attention output, (batch, heads, queries, value_dim), in order."""
-    if sinks is not None or not numpy_softmax_on() or any(c.queries.dtype != mx.float32 for c in calls):
+    if sinks is not None or not numpy_exp_on() or any(c.queries.dtype != mx.float32 for c in calls):
         fused = mx.fast.scaled_dot_product_attention
         return [fused(c.queries, c.keys, c.values, scale=scale, mask=c.mask, sinks=sinks) for c in calls]
     scores = [_scores(call, scale) for call in calls]

@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.attention import AttentionCall, attend
+from engine.numpy_exp import in_ragged_step, route_swiglu
 from engine.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 
 Sampler = Callable[[mx.array], mx.array]
@@ -119,7 +120,8 @@ class FlatLayerCache:
 
 
 def route_attention(model: Any) -> bool:
-    """Make the model's module send attention over a FlatLayerCache to it, once per module.
+    """Make the model's module send attention over a FlatLayerCache to it (and its SwiGLU
+    through engine/numpy_exp.py), once per module.
 
     Every other cache goes to mlx-lm's own function unchanged. False when the model's
     architecture is not one this routing is known to be right for.
@@ -147,6 +149,7 @@ def route_attention(model: Any) -> bool:
 
     scaled_dot_product_attention._kvrq_routed = True  # type: ignore[attr-defined]
     module.scaled_dot_product_attention = scaled_dot_product_attention
+    route_swiglu(module)
     return True
 
 
@@ -346,7 +349,8 @@ class RaggedBatchGenerator:
             )
             for i in range(n_layers)
         ]
-        hidden = self.model.model(mx.array(tokens)[:, None], caches)[:, -1, :]
+        with in_ragged_step():
+            hidden = self.model.model(mx.array(tokens)[:, None], caches)[:, -1, :]
         ends, last = [], -1
         for _, n in runs:
             last += n
