@@ -365,10 +365,12 @@ class RaggedBatchGenerator:
             mx.eval(written)
             return {}
         picked = self._head(hidden[mx.array([end for _, end in finishing])])
-        logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
         if all(row.sampler is None for row, _ in finishing):
-            choice = mx.argmax(logprobs, axis=-1)
+            # Greedy: the log-softmax shifts a row by one constant, so argmax needs no exp
+            # (49K of them a row: 12 ms of a 16-row step on this CPU, docs/platform.md).
+            choice = mx.argmax(picked, axis=-1)
         else:
+            logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
             parts = mx.split(logprobs, len(finishing), axis=0)
             choice = mx.concatenate(
                 [
