@@ -367,7 +367,7 @@ class RaggedBatchGenerator:
         picked = self._head(hidden[mx.array([end for _, end in finishing])])
         if all(row.sampler is None for row, _ in finishing):
             # Greedy: the log-softmax shifts a row by one constant, so argmax needs no exp
-            # (49K of them a row: 12 ms of a 16-row step on this CPU, docs/platform.md).
+            # (49K of them a row: 12 ms of a 16-row step on this CPU).
             choice = mx.argmax(picked, axis=-1)
         else:
             logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
