@@ -7,7 +7,8 @@ per layer with `mx.fast.scaled_dot_product_attention` and 8.1 ms split this way;
 rows decoding over 512 tokens 4.8 vs 2.8 ms (docs/platform.md). So on the CPU a layer's
 calls run in three parts: all their scores (MLX matmuls), evaluated together (one sync per
 layer), the masked softmax in numpy, then the weighted sum of the values (MLX matmuls).
-Elsewhere (Metal, CUDA), with attention sinks, or for other dtypes than float32, the fused call.
+Elsewhere (Metal, CUDA, outside the ragged step), with attention sinks, or for other dtypes
+than float32, the fused call.
 
 Guarantee: the same attention up to float32 rounding (max difference ~5e-7 on unit-scale
 inputs): greedy tokens equal mlx_lm.generate's in the parity tests. KVRQ_NUMPY_EXP=0
@@ -16,12 +17,13 @@ turns it off (engine/numpy_exp.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from engine.numpy_exp import numpy_exp_on
+from engine import numpy_exp
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class AttentionCall:
 
 def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
     """Each call's attention output, (batch, heads, queries, value_dim), in order."""
-    if sinks is not None or not numpy_exp_on() or any(c.queries.dtype != mx.float32 for c in calls):
+    if sinks is not None or not numpy_exp.active() or any(c.queries.dtype != mx.float32 for c in calls):
         fused = mx.fast.scaled_dot_product_attention
         return [fused(c.queries, c.keys, c.values, scale=scale, mask=c.mask, sinks=sinks) for c in calls]
     scores = [_scores(call, scale) for call in calls]
@@ -76,6 +78,8 @@ def _softmax_in_place(scores: np.ndarray, call: AttentionCall) -> None:
     scores /= scores.sum(axis=-1, keepdims=True)
 
 
+@functools.lru_cache(maxsize=8)
 def _causal_block(length: int, dtype: np.dtype) -> np.ndarray:
-    """(length, length): 0 on and below the diagonal, -inf above (query i sees keys <= i)."""
+    """(length, length): 0 on and below the diagonal, -inf above (query i sees keys <= i).
+    Cached: every layer of a step asks for the same one, and it is only ever read."""
     return np.triu(np.full((length, length), -np.inf, dtype=dtype), k=1)

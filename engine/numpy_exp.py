@@ -30,6 +30,12 @@ def numpy_exp_on() -> bool:
     return mx.default_device() == mx.cpu and os.environ.get("KVRQ_NUMPY_EXP", "1") != "0"
 
 
+def active() -> bool:
+    """Whether the ragged step being built on this thread takes exp from numpy: decided
+    once per step by `in_ragged_step`, read by every layer's attention and SwiGLU."""
+    return getattr(_step, "active", False)
+
+
 @contextmanager
 def in_ragged_step() -> Iterator[None]:
     """While the ragged step builds its forward pass: the routed functions may use numpy."""
@@ -47,7 +53,7 @@ def route_swiglu(module: Any) -> None:
         return
 
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-        if not getattr(_step, "active", False) or gate.dtype != mx.float32 or x.dtype != mx.float32:
+        if not active() or gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
         return numpy_swiglu(gate, x)
 

@@ -86,10 +86,10 @@ class ShortSlots:
         slot = next(i for i, slotted in enumerate(self.rows) if slotted is row)
         length = row.length
         lines = self._lines(slot)
+        capacity = round_up(length, KV_GROWTH_TOKENS)
         for layer, keys, values, (k_dim, v_dim, dtype) in zip(
             row.layers, self.keys, self.values, self._layer_shapes, strict=True
         ):
-            capacity = round_up(length, KV_GROWTH_TOKENS)
             layer.keys = mx.zeros((1, self.heads, capacity, k_dim), dtype=dtype)
             layer.values = mx.zeros((1, self.heads, capacity, v_dim), dtype=dtype)
             layer.keys[..., :length, :] = keys[lines, :length, :][None]

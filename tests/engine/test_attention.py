@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from engine import attention
-from engine.attention import AttentionCall, attend
+from engine.attention import AttentionCall
+from engine.numpy_exp import in_ragged_step
 
 SCALE = 0.125
 
@@ -18,6 +19,12 @@ def fused(call: AttentionCall, sinks: mx.array | None = None) -> mx.array:
     return mx.fast.scaled_dot_product_attention(
         call.queries, call.keys, call.values, scale=SCALE, mask=call.mask, sinks=sinks
     )
+
+
+def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
+    """As the ragged step calls it: inside its forward pass."""
+    with in_ragged_step():
+        return attention.attend(calls, scale, sinks)
 
 
 def random_call(batch: int, heads: int, kv_heads: int, queries: int, keys: int, mask: Any) -> AttentionCall:
