@@ -97,6 +97,19 @@ def test_arena_reuses_given_back_buffers_without_stale_data_leaking() -> None:
     assert arena.idle_bytes == 0
 
 
+def test_arena_buffers_have_a_block_of_headroom_so_the_next_longer_turn_reuses_them() -> None:
+    spec = make_spec()
+    arena = KVArena(spec, max_idle_bytes=10**9)
+    block = spec.block_tokens
+    first = arena.take(3 * block - 5)  # a turn just under three blocks
+    assert int(first[0][0].shape[2]) == 4 * block
+    ids = [id(k) for k, _ in first]
+    arena.give_back(first)
+    del first
+    again = arena.take(3 * block + 10)  # the next turn, a little past three blocks
+    assert [id(k) for k, _ in again] == ids, "the same buffers, no new allocation"
+
+
 def test_arena_drops_idle_buffers_beyond_its_budget() -> None:
     spec = make_spec()
     arena = KVArena(spec, max_idle_bytes=32 * spec.bytes_per_token())
