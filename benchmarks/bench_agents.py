@@ -133,6 +133,8 @@ class Answer:
     total_s: float
     prompt_tokens: int
     reused_tokens: int
+    # kvrq only, the worker's own view (producer.models.Timings): where a first token's time went
+    worker: dict[str, float | None] | None = None
 
 
 Ask = Callable[[int, list[Message]], Answer]
@@ -203,8 +205,17 @@ def run_kvrq(args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
                             first = time.perf_counter() - started
                         parts.append(delta)
                     total = time.perf_counter() - started
-                    usage = handle.result(timeout=60).usage
-                    return Answer("".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens)
+                    result = handle.result(timeout=60)
+                    usage, timings = result.usage, result.timings
+                    worker_view = {
+                        "queued_s": timings.queued_s,
+                        "cache_load_s": timings.cache_load_s,
+                        "engine_ttft_s": timings.engine_time_to_first_token_s,
+                        "ttft_s": timings.time_to_first_token_s,
+                    }
+                    return Answer(
+                        "".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens, worker_view
+                    )
 
                 warm_up = producer.submit({"prompt": "Hello", "max_tokens": 2})  # model pages, first step
                 warm_up.result(timeout=300)
@@ -372,10 +383,20 @@ def side_summary(
         "turn_total_median_s": statistics.median(r["total_s"] for r in rows),
         "reused_share_later_turns": sum(r["reused_tokens"] for r in later_rows)
         / max(1, sum(r["prompt_tokens"] for r in later_rows)),
+        "later_worker_median_s": worker_medians(later_rows),
         "load_average_before": load[0],
         "load_average_after": load[1],
         "rows": rows,
     }
+
+
+def worker_medians(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Medians of the worker's own timings (kvrq only): what a later turn's first token waited on."""
+    views = [r["worker"] for r in rows if r.get("worker")]
+    if not views:
+        return None
+    keys = [k for k in views[0] if all(v.get(k) is not None for v in views)]
+    return {k: round(statistics.median(v[k] for v in views), 3) for k in keys}
 
 
 def ratios(kvrq: dict[str, Any], server: dict[str, Any]) -> dict[str, float | None]:
