@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.attention import AttentionCall, attend
+from engine.gemm_rows import pad_rows_on, padded_rows
 from engine.numpy_exp import in_ragged_step, route_swiglu
 from engine.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 
@@ -65,6 +66,7 @@ class FlatLayerCache:
         slots: ShortSlots,
         slot_step: SlotStep | None,
         layer: int,
+        padding: int = 0,
     ) -> None:
         self.rows = rows
         self.run_lengths = run_lengths
@@ -73,6 +75,7 @@ class FlatLayerCache:
         self.slot_step = slot_step
         self.layer = layer
         self.skip = slot_step.size if slot_step is not None else 0
+        self.padding = padding  # trailing rows of the flat batch that belong to nobody
         bounds, total = [], 0
         for n in run_lengths[:-1]:
             total += n
@@ -85,8 +88,8 @@ class FlatLayerCache:
         row (a run of one token is already that shape: no extra op, at a few µs per op)."""
         if not self.rows:
             return []
-        if self.skip:
-            flat = flat[self.skip :]
+        if self.skip or self.padding:
+            flat = flat[self.skip : flat.shape[0] - self.padding]
         parts = mx.split(flat, self._bounds, axis=0) if self._bounds else [flat]
         return [
             part if n == 1 else part.swapaxes(0, 2) for part, n in zip(parts, self.run_lengths, strict=True)
@@ -116,6 +119,9 @@ class FlatLayerCache:
             if n > 1:  # (1, heads, n, dim) -> the flat batch's (n, heads, 1, dim)
                 outputs[i] = outputs[i].swapaxes(0, 2)
         self._fetched = []
+        if self.padding:  # padding rows attend to nothing: zeros, never read by anybody
+            shape = (self.padding, *outputs[0].shape[1:])
+            outputs.append(mx.zeros(shape, dtype=outputs[0].dtype))
         return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
 
@@ -300,11 +306,13 @@ class RaggedBatchGenerator:
     def _prefill_chunks(self, prefilling: list[Row]) -> list[tuple[Row, int]]:
         """This step's prompt tokens: shortest remaining prompt first, within the budget.
 
-        A step in which a prompt finishes carries no chunk of a longer one that does not:
-        the finishing row (typically a warm agent's suffix) gets its first token from a step
-        as short as the decode steps, not one carrying a whole budget of someone's cold
-        prompt. So that long prompts are never starved, the chunk held back goes into the
-        next step whatever finishes there.
+        A step in which short prompts finish (up to half the budget: typically warm agents'
+        suffixes) carries no chunk of a longer one that does not: they get their first token
+        from a step as short as the decode steps, not one carrying a whole budget of someone's
+        cold prompt. A step finishing a longer run (a cold prompt's last chunk) is long anyway:
+        it fills the budget and holds nothing back, so that the warm suffix arriving next is
+        not the one forced to share its step. So that long prompts are never starved, a chunk
+        held back goes into the next step whatever finishes there.
         """
         budget = self.prefill_tokens_per_step
         chunks: list[tuple[Row, int]] = []
@@ -313,7 +321,13 @@ class RaggedBatchGenerator:
             if budget <= 0:
                 break
             n = min(budget, len(row.pending))
-            if n < len(row.pending) and chunks and not self._held_back_last_step:
+            finishing_tokens = self.prefill_tokens_per_step - budget
+            if (
+                n < len(row.pending)
+                and chunks
+                and finishing_tokens * 2 <= self.prefill_tokens_per_step
+                and not self._held_back_last_step
+            ):
                 held_back = True
                 break
             chunks.append((row, n))
@@ -338,6 +352,10 @@ class RaggedBatchGenerator:
         for row, n in runs:
             tokens.extend(row.pending[:n])
             positions.extend(range(row.length, row.length + n))
+        pad_on = pad_rows_on()
+        padding = padded_rows(len(tokens), pad_on) - len(tokens)
+        tokens += [0] * padding
+        positions += [0] * padding
         n_layers = len(runs[0][0].layers)
         slot_step = self.slots.prepare_step()
         own = runs[slot_step.size :] if slot_step is not None else runs
@@ -345,7 +363,7 @@ class RaggedBatchGenerator:
         position_array = mx.array(positions)
         caches = [
             FlatLayerCache(
-                [row.layers[i] for row, _ in own], lengths, position_array, self.slots, slot_step, i
+                [row.layers[i] for row, _ in own], lengths, position_array, self.slots, slot_step, i, padding
             )
             for i in range(n_layers)
         ]
@@ -364,7 +382,10 @@ class RaggedBatchGenerator:
         if not finishing:
             mx.eval(written)
             return {}
-        picked = self._head(hidden[mx.array([end for _, end in finishing])])
+        # Padded like the step's rows (engine/gemm_rows.py): the head's matmul is the step's largest.
+        picks = [end for _, end in finishing]
+        picks += picks[-1:] * (padded_rows(len(picks), pad_on) - len(picks))
+        picked = self._head(hidden[mx.array(picks)])[: len(finishing)]
         if all(row.sampler is None for row, _ in finishing):
             # Greedy: the log-softmax shifts a row by one constant, so argmax needs no exp
             # (49K of them a row: 12 ms of a 16-row step on this CPU).

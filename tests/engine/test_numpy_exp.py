@@ -10,6 +10,7 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from engine import numpy_exp
 from engine.engine import BlockPoolBatchEngine
+from engine.gemm_rows import pad_rows_on, padded_rows
 from engine.params import SamplingParams
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
@@ -52,5 +53,6 @@ def test_every_layer_of_a_ragged_step_takes_numpy_s_swiglu(monkeypatch: pytest.M
     monkeypatch.setattr(numpy_exp, "numpy_swiglu", lambda g, x: calls.append(g.shape[0]) or real(g, x))
     engine.submit(None, list(range(40, 60)), SamplingParams(max_tokens=2), keep_cache=False)
     engine.step()
-    assert calls == [20] * len(model.layers), "one call per layer over the step's 20 prompt tokens"
+    rows = padded_rows(20, pad_rows_on())  # the step's 20 prompt tokens, as its matmuls run them
+    assert calls == [rows] * len(model.layers), "one call per layer over the step's rows"
     engine.close()

@@ -10,6 +10,7 @@ import pytest
 
 from engine.blocks import AgentCache
 from engine.engine import BlockPoolBatchEngine
+from engine.gemm_rows import pad_rows_on, padded_rows
 from engine.params import SamplingParams
 from engine.results import Completion, StepOutput
 from tests.engine.tiny import ByteTokenizer, tiny_model
@@ -337,6 +338,24 @@ def test_a_warm_suffix_runs_in_a_step_without_cold_chunks_and_the_cold_prompt_st
         raise AssertionError("the cold prompt never got its first token")
 
 
+def test_a_cold_prompts_long_last_chunk_holds_nothing_back_so_the_next_warm_suffix_runs_alone(
+    engine: BlockPoolBatchEngine,
+) -> None:
+    cache = saved_cache(engine, 300)
+    running = engine.submit("r", prompt(10), GREEDY_LONG)
+    short_cold = engine.submit("a", prompt(100, salt=5), GREEDY_LONG)  # chunks of 64 and 36
+    engine.submit("b", prompt(900, salt=6), GREEDY_LONG)
+    generator = engine._backend.generator  # type: ignore[attr-defined]
+    assert running in tokens_of(engine.step())  # its 10-token prompt held the cold chunks back
+    engine.step()
+    assert generator.last_step.prompt_tokens == 64, "the shorter cold prompt's first chunk"
+    assert short_cold in tokens_of(engine.step())
+    assert generator.last_step.prompt_tokens == 64, "its 36-token last chunk shared the step"
+    warm = engine.submit("agent", cache.token_ids + prompt(17, salt=9), GREEDY_LONG, cache=cache)
+    assert warm in tokens_of(engine.step())
+    assert generator.last_step.prompt_tokens == 17, "so the next warm suffix ran alone"
+
+
 def test_on_an_idle_engine_the_last_token_goes_out_before_its_cache_is_cut(
     engine: BlockPoolBatchEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -371,4 +390,5 @@ def test_the_vocabulary_projection_runs_on_the_sampling_rows_only(
     assert projected[-1] == 1 and seen == {running}, "the decoding row only, not the chunk's 64"
     while cold not in seen:
         seen = tokens_of(engine.step())
-    assert projected[-1] == 2, "the decoding row and the cold prompt's last token"
+    # the decoding row and the cold prompt's last token (as many rows as the CPU's matmul likes)
+    assert projected[-1] == padded_rows(2, pad_rows_on())

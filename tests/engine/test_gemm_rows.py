@@ -1,0 +1,83 @@
+"""The CPU step's matmuls run 16-row multiples: the padding changes no token, K/V or position."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import numpy_exp
+from engine.engine import BlockPoolBatchEngine
+from engine.gemm_rows import pad_rows_on, padded_rows
+from engine.params import SamplingParams
+from tests.engine.test_ragged import make_engine, prompt, run_all, saved_cache, tokens_of
+from tests.engine.tiny import tiny_model
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (1, 1),
+        (3, 3),
+        (4, 16),
+        (12, 16),
+        (16, 16),
+        (17, 17),
+        (19, 19),
+        (20, 32),
+        (31, 32),
+        (32, 32),
+        (268, 268),
+    ],
+)
+def test_rows_are_padded_where_the_cpu_matmul_measured_faster(rows: int, expected: int) -> None:
+    assert padded_rows(rows) == expected
+    assert padded_rows(rows, on=False) == rows
+
+
+def test_the_padding_is_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRQ_PAD_ROWS", "0")
+    assert not pad_rows_on()
+
+
+def run_mixed_batch(monkeypatch: pytest.MonkeyPatch, pad: str) -> tuple[list[list[int]], list[int]]:
+    """Five rows of several lengths (one resumed from a cache, one long) to the end; (each
+    row's tokens, the row counts the steps' MLPs saw)."""
+    monkeypatch.setenv("KVRQ_PAD_ROWS", pad)
+    model = tiny_model("llama")
+    engine = make_engine(model, prefill_tokens_per_step=64)
+    cache = saved_cache(engine, 90)
+    seen: list[int] = []
+    real = numpy_exp.numpy_swiglu
+    monkeypatch.setattr(numpy_exp, "numpy_swiglu", lambda g, x: seen.append(g.shape[0]) or real(g, x))
+    params = SamplingParams(max_tokens=12, stop_tokens=())
+    uids = [engine.submit(None, prompt(n, salt=n), params) for n in (5, 9, 30, 700)]
+    uids.append(engine.submit("agent", cache.token_ids + prompt(4, salt=1), params, cache=cache))
+    done = run_all(engine)
+    engine.close()
+    return [done[uid].token_ids for uid in uids], seen
+
+
+def test_padded_steps_generate_the_same_tokens_as_unpadded_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    padded, padded_rows_seen = run_mixed_batch(monkeypatch, "1")
+    plain, plain_rows_seen = run_mixed_batch(monkeypatch, "0")
+    assert padded == plain
+    if pad_rows_on():  # the CPU device: the steps really ran padded
+        assert 5 in plain_rows_seen and 5 not in padded_rows_seen
+        assert all(padded_rows(n) == n for n in padded_rows_seen), "every step ran at a padded count"
+
+
+def test_padding_rows_write_no_kv_and_reach_no_sampler(engine: BlockPoolBatchEngine) -> None:
+    uids = [
+        engine.submit(None, prompt(3, salt=s), SamplingParams(max_tokens=3, stop_tokens=())) for s in range(3)
+    ]
+    first = engine.step()
+    assert tokens_of(first) == set(uids) and len(first.deltas) == 3
+    generator = engine._backend.generator  # type: ignore[attr-defined]
+    offsets = [row.layers[0].offset for row in generator.rows.values()]
+    assert offsets == [3, 3, 3], "no padding token in anybody's K/V"
+    done = run_all(engine)
+    assert all(done[uid].usage.generated_tokens == 3 for uid in uids)
+
+
+@pytest.fixture
+def engine() -> BlockPoolBatchEngine:
+    return make_engine(tiny_model("llama"), prefill_tokens_per_step=64)
