@@ -497,6 +497,59 @@ def bench_finish_burst(n_rows: int, n_tokens: int, max_tokens: int, n_running: i
     return result
 
 
+def bench_rows(row_counts: list[int], steps: int) -> list[dict[str, Any]]:
+    """engine/gemm_rows.py's evidence: an MLP matmul of SmolLM2 at each row count, and whole
+    decode steps of that many warm rows, padded and not, alternating in one engine."""
+    import os
+
+    import mlx.core as mx
+
+    from engine.engine import BlockPoolBatchEngine
+    from engine.gemm_rows import padded_rows
+    from engine.model import load_model
+
+    model, tokenizer = load_model()
+    gate = model.model.layers[0].mlp.gate_proj.weight  # (1536, 576)
+    text = " ".join(f"item {i} is {['red', 'blue', 'green'][i % 3]}." for i in range(200))
+    base = list(tokenizer.encode(text))[:200]
+    out = []
+    for n in row_counts:
+        x = mx.random.normal((n, gate.shape[1]))
+        mx.eval(x)
+        matmul = timed(lambda x=x: mx.eval(x @ gate.T), 200)
+        engine = BlockPoolBatchEngine(model, _NoEos(tokenizer), model_name="smollm2-135m", max_batch=64)
+        engine.submit("a", base, SamplingParams(max_tokens=1))
+        cache = None
+        while cache is None:
+            cache = next((c.cache for c in engine.step().completions), None)
+        for i in range(n):
+            engine.submit("a", [*base, 100 + i, 200], SamplingParams(max_tokens=steps + 10), cache=cache)
+        for _ in range(4):
+            engine.step()
+        times: dict[str, list[float]] = {"1": [], "0": []}
+        for k in range(steps):
+            setting = "1" if k % 2 else "0"
+            os.environ["KVRQ_PAD_ROWS"] = setting
+            started = time.perf_counter()
+            engine.step()
+            times[setting].append(time.perf_counter() - started)
+        os.environ.pop("KVRQ_PAD_ROWS")
+        engine.close()
+        padded, plain = statistics.median(times["1"]), statistics.median(times["0"])
+        out.append(
+            {
+                "rows": n,
+                "run_as": padded_rows(n),
+                "mlp_matmul_ms": ms(statistics.median(matmul)),
+                "step_ms_plain": ms(plain),
+                "step_ms_padded": ms(padded),
+                "speedup": round(plain / padded, 2),
+            }
+        )
+        print(out[-1], flush=True)
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -508,7 +561,7 @@ def main() -> None:
     ensure_fast_blas()
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats, fewer tokens")
-    parts = ("blocks", "throughput", "joins", "finish")
+    parts = ("blocks", "throughput", "joins", "finish", "rows")
     parser.add_argument("--only", choices=parts, action="append", help="run only these parts")
     args = parser.parse_args()
     only = set(args.only or parts)
@@ -529,6 +582,10 @@ def main() -> None:
     if "finish" in only:
         results["finish_burst"] = bench_finish_burst(8, 2048, 6)
         print(table([results["finish_burst"]]), flush=True)
+    if "rows" in only:
+        counts = [1, 2, 3, 4, 8, 12, 16, 17, 20, 24, 31, 32]
+        results["rows"] = bench_rows(counts, 20 if args.quick else 40)
+        print(table(results["rows"]), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))
 
