@@ -19,7 +19,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine.blocks import AgentCache
 from engine.kv_arena import KVArena
-from engine.kv_convert import GatheringKVCache, blocks_to_caches, gather_behind_the_step, round_up
+from engine.kv_convert import blocks_to_caches, round_up
 from engine.ragged import RaggedBatchGenerator, Sampler
 from engine.spec import ModelCacheSpec
 
@@ -86,7 +86,7 @@ class RaggedBackend:
         # Room for the prompt and a block of output; longer outputs grow 256 tokens at a time.
         capacity = len(prompt) + min(max_tokens, self.spec.block_tokens)
         if cache is not None and reused > 0:
-            layers = gather_behind_the_step(cache, reused, capacity, self.arena)
+            layers = blocks_to_caches(cache, reused, capacity=capacity, arena=self.arena)
         else:
             layers = self._empty_layers(capacity)
         return self.generator.insert(
@@ -115,9 +115,6 @@ class RaggedBackend:
         row = self.generator.remove(uid)
         if row is None:
             return None
-        for layer in row.layers:  # a row taken out before its first step: its copy must end first
-            if isinstance(layer, GatheringKVCache):
-                layer.gathered.wait()
         kv = FinishedKV(row.layers, row.cached_tokens)
         if want_kv:
             return kv

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
 from engine.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
 from engine.fast_copy import address, aliases_at, copy_array
@@ -122,71 +121,6 @@ def blocks_to_caches(
     return layers
 
 
-def gather_behind_the_step(cache: AgentCache, n_tokens: int, capacity: int, arena: KVArena) -> list[Any]:
-    """blocks_to_caches, with the copy running on a background thread layer by layer, in order.
-
-    Why: a warm agent joining a running batch paid its whole gather on the step thread before
-    its first step (8K tokens of SmolLM2: 377 MB, ~45 ms, a third of a batch step). Here the
-    step that carries its suffix starts at once and each layer of the row waits, at its first
-    `update_and_fetch`, for that layer's copy only: the copy of layer i runs while the step
-    computes layers before i. Guarantees: a layer is never read before its copy is done; the
-    copying thread drops its numpy view of a layer before releasing it (so MLX updates the
-    buffer in place); `wait_gathered` waits for the rest (a row taken out before its first
-    step must not hand buffers back while they are written).
-    """
-    spec = cache.spec
-    n_tokens = min(n_tokens, cache.n_tokens)
-    if not spec.all_full_attention or n_tokens <= 0:
-        return blocks_to_caches(cache, n_tokens, capacity, arena)
-    buffers = arena.take(max(n_tokens, capacity))
-    hosts: list[tuple[np.ndarray, np.ndarray] | None] = [
-        (host_view(keys)[0], host_view(values)[0]) for keys, values in buffers
-    ]  # MLX calls: here
-    blocks = cache.truncated(n_tokens).blocks
-    layers = [GatheringKVCache(keys, values, n_tokens) for keys, values in buffers]
-    del buffers
-
-    def gather() -> None:
-        for index, layer in enumerate(layers):
-            try:
-                host = hosts[index]
-                hosts[index] = None
-                assert host is not None
-                _concatenate_into(host[0], [block.keys[index] for block in blocks], n_tokens)
-                _concatenate_into(host[1], [block.values[index] for block in blocks], n_tokens)
-                del host
-            except BaseException as exc:  # surfaces in the step that reads this layer
-                layer.error = exc
-            layer.gathered.set()
-
-    global _gather_pool
-    with _copy_pools_lock:
-        if _gather_pool is None:
-            _gather_pool = ThreadPoolExecutor(1, thread_name_prefix="kvrq-gather")
-        _gather_pool.submit(gather)
-    return layers
-
-
-class GatheringKVCache(KVCache):
-    """An mlx-lm KVCache whose first `n_tokens` are still being copied in by
-    gather_behind_the_step; once gathered, a KVCache like any other."""
-
-    def __init__(self, keys: mx.array, values: mx.array, n_tokens: int) -> None:
-        super().__init__()
-        self.keys, self.values, self.offset = keys, values, n_tokens
-        self.gathered = threading.Event()
-        self.error: BaseException | None = None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
-        self.wait_gathered()
-        return super().update_and_fetch(keys, values)
-
-    def wait_gathered(self) -> None:
-        self.gathered.wait()
-        if self.error is not None:
-            raise RuntimeError("gathering the cached K/V failed") from self.error
-
-
 # A copy this large (the KV of ~180 SmolLM2 tokens) is split over two threads: numpy
 # releases the GIL while it copies, and one core alone does not reach the memory's
 # bandwidth (8K tokens: 0.44 of a memcpy on one thread, 0.8 on two).
@@ -194,7 +128,6 @@ PARALLEL_COPY_BYTES = 8 * 1024 * 1024
 BACKGROUND_NICE = 10
 _copy_pools: dict[bool, ThreadPoolExecutor] = {}
 _copy_pools_lock = threading.Lock()
-_gather_pool: ThreadPoolExecutor | None = None
 
 
 def yield_to_the_step() -> None:
