@@ -22,7 +22,10 @@ and each step is ONE forward pass over a flat batch of tokens:
   prompts, and the first of a burst finish after their own prefill, not the whole
   burst's; a step in which a prompt finishes carries no chunk of an unfinished one (at
   most every other step), so a warm agent's first token comes from a short step;
-  decoding rows get a token every step whatever is being prefilled.
+  decoding rows get a token every step whatever is being prefilled;
+- on the CPU, a flat batch of 4-16 tokens runs as 16 rows and 20-31 as 32, OpenBLAS's fast
+  matmul shapes (engine/gemm_rows.py): the extra rows attend to nothing, write no K/V and are
+  never sampled.
 """
 
 from __future__ import annotations
