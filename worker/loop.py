@@ -183,6 +183,12 @@ class WorkerLoop:
                         exc,
                     )
                     break
+                if self.draining and not self.scheduler and not self.ending:
+                    # Stopping with nothing held and nothing left to write: Redis is not needed
+                    # (its registrations expire). A stack stopped all at once (honcho, Ctrl-C)
+                    # stops Redis first; waiting for it kept the worker up until SIGKILL.
+                    log.warning("Redis unreachable while stopping with nothing held (%s): stopping", exc)
+                    break
                 delay = self.backoff.next()
                 self.next_crash_check = time.monotonic() + delay + self.settings.liveness_ttl  # peers re-beat
                 log.warning("Redis unreachable (%s): retry %d in %.1f s", exc, self.backoff.failures, delay)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -242,3 +243,34 @@ def test_redis_outage_loses_nothing(h: Harness) -> None:
     for handle in handles:
         assert handle.result(timeout=1).text == "abcdef"
         assert "".join(handle.stream(timeout=1)) == "abcdef"
+
+
+def run_in_thread(h: Harness) -> threading.Thread:
+    runner = threading.Thread(target=h.loop.run, daemon=True)
+    runner.start()
+    return runner
+
+
+def test_a_stopping_worker_holding_nothing_does_not_wait_for_redis(h: Harness) -> None:
+    h.loop.run_once()
+    h.loop.request_stop()
+    h.server.connected = False  # a stack stopped all at once: Redis went first
+    h.loop.next_heartbeat = 0.0  # and a heartbeat is due: the loop has to reach Redis
+    runner = run_in_thread(h)
+    runner.join(timeout=5)
+    assert not runner.is_alive(), "nothing held, nothing to write: it stopped without Redis"
+
+
+def test_a_stopping_worker_holding_a_job_waits_for_redis_to_hand_it_back() -> None:
+    h = Harness(drain_timeout=0.0)
+    handle = h.producer.submit({"prompt": "x", "max_tokens": 1000})
+    h.loop.run_once()
+    h.loop.request_stop()
+    h.server.connected = False
+    runner = run_in_thread(h)
+    runner.join(timeout=1.5)
+    assert runner.is_alive(), "a held job would be lost: it waits out the outage"
+    h.server.connected = True
+    runner.join(timeout=30)
+    assert not runner.is_alive()
+    assert handle.status() == "queued", "handed back once Redis returned"
