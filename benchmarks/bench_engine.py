@@ -497,6 +497,17 @@ def bench_finish_burst(n_rows: int, n_tokens: int, max_tokens: int, n_running: i
     return result
 
 
+def submit_warm_rows(engine: Any, base: list[int], n: int, max_tokens: int) -> list[int]:
+    """Prefill `base` once, then submit `n` rows resumed from its cache (each `base` + 2 tokens
+    of its own): a batch of warm agents as a worker sees it."""
+    engine.submit("a", base, SamplingParams(max_tokens=1))
+    cache = None
+    while cache is None:
+        cache = next((c.cache for c in engine.step().completions), None)
+    params = SamplingParams(max_tokens=max_tokens)
+    return [engine.submit("a", [*base, 100 + i, 200], params, cache=cache) for i in range(n)]
+
+
 def bench_rows(row_counts: list[int], steps: int) -> list[dict[str, Any]]:
     """engine/gemm_rows.py's evidence: an MLP matmul of SmolLM2 at each row count, and whole
     decode steps of that many warm rows, padded and not, alternating in one engine."""
@@ -518,12 +529,7 @@ def bench_rows(row_counts: list[int], steps: int) -> list[dict[str, Any]]:
         mx.eval(x)
         matmul = timed(lambda x=x: mx.eval(x @ gate.T), 200)
         engine = BlockPoolBatchEngine(model, _NoEos(tokenizer), model_name="smollm2-135m", max_batch=64)
-        engine.submit("a", base, SamplingParams(max_tokens=1))
-        cache = None
-        while cache is None:
-            cache = next((c.cache for c in engine.step().completions), None)
-        for i in range(n):
-            engine.submit("a", [*base, 100 + i, 200], SamplingParams(max_tokens=steps + 10), cache=cache)
+        submit_warm_rows(engine, base, n, max_tokens=steps + 10)
         for _ in range(4):
             engine.step()
         times: dict[str, list[float]] = {"1": [], "0": []}

@@ -10,21 +10,14 @@ decode steps, padded against not in one engine (`python benchmarks/bench_engine.
 and 32 or more (prefill chunks).
 
 Guarantees: CPU only (Metal and CUDA keep their own kernels' shapes); the padding rows
-write no K/V, take no position, reach no sampler; KVRQ_PAD_ROWS=0 turns it off.
+write no K/V, take no position, reach no sampler; KVRQ_PAD_ROWS=0 turns it off
+(engine/cpu_shortcuts.py).
 """
 
 from __future__ import annotations
 
-import os
-
-import mlx.core as mx
-
 # (fewest rows, most rows, rows run): measured on SmolLM2's step, see the docstring.
 PADDED_RANGES = ((4, 16, 16), (20, 31, 32))
-
-
-def pad_rows_on() -> bool:
-    return mx.default_device() == mx.cpu and os.environ.get("KVRQ_PAD_ROWS", "1") != "0"
 
 
 def padded_rows(rows: int, on: bool = True) -> int:

@@ -9,12 +9,11 @@ quarter of a prefill step of SmolLM2.
 Guarantees: only the ragged step's forward is affected (`in_ragged_step`), so mlx-lm's own
 generation (the parity tests' reference, mlx-lm's BatchGenerator path) runs unchanged;
 results equal MLX's up to float32 rounding; only float32 on the CPU device;
-KVRQ_NUMPY_EXP=0 turns both parts off.
+KVRQ_NUMPY_EXP=0 turns both parts off (engine/cpu_shortcuts.py).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,10 +25,6 @@ import numpy as np
 _step = threading.local()
 
 
-def numpy_exp_on() -> bool:
-    return mx.default_device() == mx.cpu and os.environ.get("KVRQ_NUMPY_EXP", "1") != "0"
-
-
 def active() -> bool:
     """Whether the ragged step being built on this thread takes exp from numpy: decided
     once per step by `in_ragged_step`, read by every layer's attention and SwiGLU."""
@@ -37,9 +32,10 @@ def active() -> bool:
 
 
 @contextmanager
-def in_ragged_step() -> Iterator[None]:
-    """While the ragged step builds its forward pass: the routed functions may use numpy."""
-    _step.active = numpy_exp_on()
+def in_ragged_step(numpy_exp: bool) -> Iterator[None]:
+    """While the ragged step builds its forward pass: the routed functions use numpy if
+    `numpy_exp` (engine/cpu_shortcuts.py decides)."""
+    _step.active = numpy_exp
     try:
         yield
     finally:

@@ -30,6 +30,7 @@ and each step is ONE forward pass over a flat batch of tokens:
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +40,8 @@ from typing import Any
 import mlx.core as mx
 
 from engine.attention import AttentionCall, attend
-from engine.gemm_rows import pad_rows_on, padded_rows
+from engine.cpu_shortcuts import cpu_shortcuts
+from engine.gemm_rows import padded_rows
 from engine.numpy_exp import in_ragged_step, route_swiglu
 from engine.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 
@@ -123,9 +125,15 @@ class FlatLayerCache:
                 outputs[i] = outputs[i].swapaxes(0, 2)
         self._fetched = []
         if self.padding:  # padding rows attend to nothing: zeros, never read by anybody
-            shape = (self.padding, *outputs[0].shape[1:])
-            outputs.append(mx.zeros(shape, dtype=outputs[0].dtype))
+            outputs.append(padding_output((self.padding, *outputs[0].shape[1:]), outputs[0].dtype))
         return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+
+@functools.lru_cache(maxsize=16)
+def padding_output(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """The padding rows' attention output: one array per shape, shared by every layer and
+    step (MLX arrays are immutable), instead of a new one per layer."""
+    return mx.zeros(shape, dtype=dtype)
 
 
 def route_attention(model: Any) -> bool:
@@ -355,8 +363,8 @@ class RaggedBatchGenerator:
         for row, n in runs:
             tokens.extend(row.pending[:n])
             positions.extend(range(row.length, row.length + n))
-        pad_on = pad_rows_on()
-        padding = padded_rows(len(tokens), pad_on) - len(tokens)
+        shortcuts = cpu_shortcuts()
+        padding = padded_rows(len(tokens), shortcuts.pad_rows) - len(tokens)
         tokens += [0] * padding
         positions += [0] * padding
         n_layers = len(runs[0][0].layers)
@@ -370,7 +378,7 @@ class RaggedBatchGenerator:
             )
             for i in range(n_layers)
         ]
-        with in_ragged_step():
+        with in_ragged_step(shortcuts.numpy_exp):
             hidden = self.model.model(mx.array(tokens)[:, None], caches)[:, -1, :]
         ends, last = [], -1
         for _, n in runs:
@@ -387,7 +395,7 @@ class RaggedBatchGenerator:
             return {}
         # Padded like the step's rows (engine/gemm_rows.py): the head's matmul is the step's largest.
         picks = [end for _, end in finishing]
-        picks += picks[-1:] * (padded_rows(len(picks), pad_on) - len(picks))
+        picks += picks[-1:] * (padded_rows(len(picks), shortcuts.pad_rows) - len(picks))
         picked = self._head(hidden[mx.array(picks)])[: len(finishing)]
         if all(row.sampler is None for row, _ in finishing):
             # Greedy: the log-softmax shifts a row by one constant, so argmax needs no exp

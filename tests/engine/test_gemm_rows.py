@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from engine import numpy_exp
-from engine.engine import BlockPoolBatchEngine
-from engine.gemm_rows import pad_rows_on, padded_rows
+from engine.cpu_shortcuts import cpu_shortcuts
+from engine.gemm_rows import padded_rows
 from engine.params import SamplingParams
-from tests.engine.test_ragged import make_engine, prompt, run_all, saved_cache, tokens_of
+from tests.engine.test_ragged import make_engine, prompt, run_all, saved_cache
 from tests.engine.tiny import tiny_model
 
 
@@ -35,7 +35,7 @@ def test_rows_are_padded_where_the_cpu_matmul_measured_faster(rows: int, expecte
 
 def test_the_padding_is_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVRQ_PAD_ROWS", "0")
-    assert not pad_rows_on()
+    assert not cpu_shortcuts().pad_rows
 
 
 def run_mixed_batch(monkeypatch: pytest.MonkeyPatch, pad: str) -> tuple[list[list[int]], list[int]]:
@@ -60,24 +60,6 @@ def test_padded_steps_generate_the_same_tokens_as_unpadded_ones(monkeypatch: pyt
     padded, padded_rows_seen = run_mixed_batch(monkeypatch, "1")
     plain, plain_rows_seen = run_mixed_batch(monkeypatch, "0")
     assert padded == plain
-    if pad_rows_on():  # the CPU device: the steps really ran padded
+    if cpu_shortcuts().pad_rows:  # the CPU device: the steps really ran padded
         assert 5 in plain_rows_seen and 5 not in padded_rows_seen
         assert all(padded_rows(n) == n for n in padded_rows_seen), "every step ran at a padded count"
-
-
-def test_padding_rows_write_no_kv_and_reach_no_sampler(engine: BlockPoolBatchEngine) -> None:
-    uids = [
-        engine.submit(None, prompt(3, salt=s), SamplingParams(max_tokens=3, stop_tokens=())) for s in range(3)
-    ]
-    first = engine.step()
-    assert tokens_of(first) == set(uids) and len(first.deltas) == 3
-    generator = engine._backend.generator  # type: ignore[attr-defined]
-    offsets = [row.layers[0].offset for row in generator.rows.values()]
-    assert offsets == [3, 3, 3], "no padding token in anybody's K/V"
-    done = run_all(engine)
-    assert all(done[uid].usage.generated_tokens == 3 for uid in uids)
-
-
-@pytest.fixture
-def engine() -> BlockPoolBatchEngine:
-    return make_engine(tiny_model("llama"), prefill_tokens_per_step=64)

@@ -9,8 +9,9 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from engine import numpy_exp
+from engine.cpu_shortcuts import cpu_shortcuts
 from engine.engine import BlockPoolBatchEngine
-from engine.gemm_rows import pad_rows_on, padded_rows
+from engine.gemm_rows import padded_rows
 from engine.params import SamplingParams
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
@@ -34,11 +35,11 @@ def test_the_routed_swiglu_uses_numpy_inside_the_ragged_step_only(monkeypatch: p
     gate, x = mx.ones((2, 1, 8)), mx.ones((2, 1, 8))
     llama.swiglu(gate, x)
     assert calls == [], "outside the ragged step: mlx-lm's own"
-    with numpy_exp.in_ragged_step():
+    with numpy_exp.in_ragged_step(cpu_shortcuts().numpy_exp):
         llama.swiglu(gate, x)
     assert calls == [1]
     monkeypatch.setenv("KVRQ_NUMPY_EXP", "0")
-    with numpy_exp.in_ragged_step():
+    with numpy_exp.in_ragged_step(cpu_shortcuts().numpy_exp):
         llama.swiglu(gate, x)
     assert calls == [1], "switched off"
 
@@ -53,6 +54,6 @@ def test_every_layer_of_a_ragged_step_takes_numpy_s_swiglu(monkeypatch: pytest.M
     monkeypatch.setattr(numpy_exp, "numpy_swiglu", lambda g, x: calls.append(g.shape[0]) or real(g, x))
     engine.submit(None, list(range(40, 60)), SamplingParams(max_tokens=2), keep_cache=False)
     engine.step()
-    rows = padded_rows(20, pad_rows_on())  # the step's 20 prompt tokens, as its matmuls run them
+    rows = padded_rows(20, cpu_shortcuts().pad_rows)  # the step's 20 prompt tokens, as its matmuls run them
     assert calls == [rows] * len(model.layers), "one call per layer over the step's rows"
     engine.close()

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from engine.blocks import AgentCache
+from engine.cpu_shortcuts import cpu_shortcuts
 from engine.engine import BlockPoolBatchEngine
-from engine.gemm_rows import pad_rows_on, padded_rows
+from engine.gemm_rows import padded_rows
 from engine.params import SamplingParams
 from engine.results import Completion, StepOutput
 from tests.engine.tiny import ByteTokenizer, tiny_model
@@ -391,4 +392,17 @@ def test_the_vocabulary_projection_runs_on_the_sampling_rows_only(
     while cold not in seen:
         seen = tokens_of(engine.step())
     # the decoding row and the cold prompt's last token (as many rows as the CPU's matmul likes)
-    assert projected[-1] == padded_rows(2, pad_rows_on())
+    assert projected[-1] == padded_rows(2, cpu_shortcuts().pad_rows)
+
+
+def test_padding_rows_write_no_kv_and_reach_no_sampler(engine: BlockPoolBatchEngine) -> None:
+    uids = [
+        engine.submit(None, prompt(3, salt=s), SamplingParams(max_tokens=3, stop_tokens=())) for s in range(3)
+    ]
+    first = engine.step()
+    assert tokens_of(first) == set(uids) and len(first.deltas) == 3
+    generator = engine._backend.generator  # type: ignore[attr-defined]
+    offsets = [row.layers[0].offset for row in generator.rows.values()]
+    assert offsets == [3, 3, 3], "no padding token in anybody's K/V"
+    done = run_all(engine)
+    assert all(done[uid].usage.generated_tokens == 3 for uid in uids)
