@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,8 +42,7 @@ def main() -> None:
     import numpy as np
 
     from engine.attention import AttentionCall, attend
-    from engine.cpu_shortcuts import cpu_shortcuts
-    from engine.numpy_exp import in_ragged_step
+    from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
 
     print("| shape | fused ms | numpy softmax ms | fused / numpy | max abs difference |")
     print("|---|---|---|---|---|")
@@ -66,7 +66,7 @@ def main() -> None:
             return out
 
         def split(call: AttentionCall = call) -> mx.array:
-            with in_ragged_step(cpu_shortcuts().numpy_exp):  # as the ragged step calls it
+            with in_ragged_step(replace(cpu_shortcuts(), native_attention=False)):  # the split path
                 (out,) = attend([call], 0.125, None)
             mx.eval(out)
             return out

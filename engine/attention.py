@@ -8,12 +8,14 @@ rows decoding over 512 tokens 4.8 vs 2.8 ms (docs/platform.md). So on the CPU a 
 calls run in three parts: all their scores (MLX matmuls), evaluated together (one sync per
 layer), the masked softmax's exponentials in numpy, then the weighted sum of the values (MLX
 matmuls) divided by the exponentials' sums.
+Decoding rows with their own K/V (one query token, no mask) go to one C call for all of them
+instead (engine/native_attention.py), where it could be built.
 Elsewhere (Metal, CUDA, outside the ragged step), with attention sinks, or for other dtypes
 than float32, the fused call.
 
 Guarantee: the same attention up to float32 rounding (max difference ~5e-7 on unit-scale
 inputs): greedy tokens equal mlx_lm.generate's in the parity tests. KVRQ_NUMPY_EXP=0
-turns it off (engine/numpy_exp.py).
+turns it off (engine/cpu_shortcuts.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine import numpy_exp
+from engine import native_attention
+from engine.cpu_shortcuts import current
 
 
 @dataclass(frozen=True)
@@ -39,20 +42,30 @@ class AttentionCall:
 
 def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
     """Each call's attention output, (batch, heads, queries, value_dim), in order."""
-    if sinks is not None or not numpy_exp.active() or any(c.queries.dtype != mx.float32 for c in calls):
+    shortcuts = current()
+    if sinks is not None or not shortcuts.numpy_exp or any(c.queries.dtype != mx.float32 for c in calls):
         fused = mx.fast.scaled_dot_product_attention
         return [fused(c.queries, c.keys, c.values, scale=scale, mask=c.mask, sinks=sinks) for c in calls]
-    scores = [_scores(call, scale) for call in calls]
+    lib = native_attention.library() if shortcuts.native_attention else None
+    native = [i for i, call in enumerate(calls) if lib is not None and native_attention.fits(call)]
+    split = [i for i in range(len(calls)) if i not in set(native)]
+    scores = [_scores(calls[i], scale) for i in split]
     masks = [call.mask for call in calls if isinstance(call.mask, mx.array)]
-    mx.eval(scores, masks)
-    outputs = []
-    for weights, call in zip(scores, calls, strict=True):
+    mx.eval(scores, masks, [(calls[i].queries, calls[i].keys, calls[i].values) for i in native])
+    outputs: list[mx.array] = [mx.array(0)] * len(calls)
+    if lib is not None and native:
+        rows = native_attention.attend_decode_rows(lib, [calls[i] for i in native], scale)
+        parts = mx.split(rows, len(native), axis=0) if len(native) > 1 else [rows]
+        for i, part in zip(native, parts, strict=True):
+            outputs[i] = part
+    for i, weights in zip(split, scores, strict=True):
+        call = calls[i]
         totals = _exp_in_place(np.asarray(weights), call)
         batch, heads, length, _ = call.queries.shape
         # Normalized after the weighted sum: one division per output value instead of per score
         # (a pass over queries x keys, 2.5 MB a layer for a 17-token suffix over 4K keys).
         weighted = (weights @ call.values) / mx.array(totals)
-        outputs.append(weighted.reshape(batch, heads, length, call.values.shape[-1]))
+        outputs[i] = weighted.reshape(batch, heads, length, call.values.shape[-1])
     return outputs
 
 

@@ -1,14 +1,21 @@
 """The ragged step's CPU-only shortcuts, decided once per step in one place.
 
-Why: two shortcuts exist only for MLX's CPU device: exp from numpy (engine/numpy_exp.py) and
-matmuls run at OpenBLAS's fast row counts (engine/gemm_rows.py). Both depend on the same
-device check, each has its own opt-out; reading them together once a step keeps the step's
-layers consistent and the device and environment lookups out of the per-layer path.
+Why: three shortcuts exist only for MLX's CPU device: exp from numpy (engine/numpy_exp.py),
+matmuls run at OpenBLAS's fast row counts (engine/gemm_rows.py) and decoding rows' attention in
+one C call a layer (engine/native_attention.py). They share the device check, each has its own
+opt-out; deciding them together once a step keeps a step's layers consistent and the device and
+environment lookups out of the per-layer path.
+
+Guarantee: outside `in_ragged_step` (mlx-lm's own generation, the parity tests' reference)
+every shortcut is off.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -18,11 +25,38 @@ import mlx.core as mx
 class CpuShortcuts:
     numpy_exp: bool  # softmax and SwiGLU exp from numpy; KVRQ_NUMPY_EXP=0 turns it off
     pad_rows: bool  # flat batches padded to 16/32 rows; KVRQ_PAD_ROWS=0 turns it off
+    native_attention: bool  # decoding rows' attention in C; KVRQ_NATIVE_ATTENTION=0 turns it off
+
+
+OFF = CpuShortcuts(numpy_exp=False, pad_rows=False, native_attention=False)
+_step = threading.local()
 
 
 def cpu_shortcuts() -> CpuShortcuts:
     on_cpu = mx.default_device() == mx.cpu
     return CpuShortcuts(
-        numpy_exp=on_cpu and os.environ.get("KVRQ_NUMPY_EXP", "1") != "0",
-        pad_rows=on_cpu and os.environ.get("KVRQ_PAD_ROWS", "1") != "0",
+        numpy_exp=on_cpu and _enabled("KVRQ_NUMPY_EXP"),
+        pad_rows=on_cpu and _enabled("KVRQ_PAD_ROWS"),
+        native_attention=on_cpu and _enabled("KVRQ_NATIVE_ATTENTION"),
     )
+
+
+def _enabled(variable: str) -> bool:
+    return os.environ.get(variable, "1") != "0"
+
+
+def current() -> CpuShortcuts:
+    """The shortcuts of the ragged step being built on this thread (OFF outside one): read by
+    every layer's attention and SwiGLU."""
+    shortcuts: CpuShortcuts = getattr(_step, "shortcuts", OFF)
+    return shortcuts
+
+
+@contextmanager
+def in_ragged_step(shortcuts: CpuShortcuts) -> Iterator[None]:
+    """While the ragged step builds its forward pass: the routed functions use `shortcuts`."""
+    _step.shortcuts = shortcuts
+    try:
+        yield
+    finally:
+        _step.shortcuts = OFF

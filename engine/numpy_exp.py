@@ -6,40 +6,20 @@ attention (engine/attention.py) and the SiLU of a SwiGLU MLP. SiLU over a 256-to
 256 x 1536 gate took 7.5 ms a layer in mlx-lm's compiled `swiglu` and 0.8 ms in numpy: a
 quarter of a prefill step of SmolLM2.
 
-Guarantees: only the ragged step's forward is affected (`in_ragged_step`), so mlx-lm's own
-generation (the parity tests' reference, mlx-lm's BatchGenerator path) runs unchanged;
-results equal MLX's up to float32 rounding; only float32 on the CPU device;
-KVRQ_NUMPY_EXP=0 turns both parts off (engine/cpu_shortcuts.py).
+Guarantees: only the ragged step's forward is affected (`in_ragged_step` in
+engine/cpu_shortcuts.py), so mlx-lm's own generation (the parity tests' reference, mlx-lm's
+BatchGenerator path) runs unchanged; results equal MLX's up to float32 rounding; only float32
+on the CPU device; KVRQ_NUMPY_EXP=0 turns both parts off (engine/cpu_shortcuts.py).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-_step = threading.local()
-
-
-def active() -> bool:
-    """Whether the ragged step being built on this thread takes exp from numpy: decided
-    once per step by `in_ragged_step`, read by every layer's attention and SwiGLU."""
-    return getattr(_step, "active", False)
-
-
-@contextmanager
-def in_ragged_step(numpy_exp: bool) -> Iterator[None]:
-    """While the ragged step builds its forward pass: the routed functions use numpy if
-    `numpy_exp` (engine/cpu_shortcuts.py decides)."""
-    _step.active = numpy_exp
-    try:
-        yield
-    finally:
-        _step.active = False
+from engine.cpu_shortcuts import current
 
 
 def route_swiglu(module: Any) -> None:
@@ -49,7 +29,7 @@ def route_swiglu(module: Any) -> None:
         return
 
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-        if not active() or gate.dtype != mx.float32 or x.dtype != mx.float32:
+        if not current().numpy_exp or gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
         return numpy_swiglu(gate, x)
 

@@ -40,9 +40,9 @@ from typing import Any
 import mlx.core as mx
 
 from engine.attention import AttentionCall, attend
-from engine.cpu_shortcuts import cpu_shortcuts
+from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
 from engine.gemm_rows import padded_rows
-from engine.numpy_exp import in_ragged_step, route_swiglu
+from engine.numpy_exp import route_swiglu
 from engine.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 
 Sampler = Callable[[mx.array], mx.array]
@@ -378,7 +378,7 @@ class RaggedBatchGenerator:
             )
             for i in range(n_layers)
         ]
-        with in_ragged_step(shortcuts.numpy_exp):
+        with in_ragged_step(shortcuts):
             hidden = self.model.model(mx.array(tokens)[:, None], caches)[:, -1, :]
         ends, last = [], -1
         for _, n in runs:

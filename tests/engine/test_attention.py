@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -10,8 +11,7 @@ import pytest
 
 from engine import attention
 from engine.attention import AttentionCall
-from engine.cpu_shortcuts import cpu_shortcuts
-from engine.numpy_exp import in_ragged_step
+from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
 
 SCALE = 0.125
 
@@ -22,9 +22,12 @@ def fused(call: AttentionCall, sinks: mx.array | None = None) -> mx.array:
     )
 
 
-def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
-    """As the ragged step calls it: inside its forward pass."""
-    with in_ragged_step(cpu_shortcuts().numpy_exp):
+def attend(
+    calls: list[AttentionCall], scale: float, sinks: mx.array | None, native: bool = False
+) -> list[mx.array]:
+    """As the ragged step calls it: inside its forward pass (decoding rows in C if `native`,
+    else in the split path this module tests; tests/engine/test_native_attention.py tests C)."""
+    with in_ragged_step(replace(cpu_shortcuts(), native_attention=native)):
         return attention.attend(calls, scale, sinks)
 
 

@@ -9,7 +9,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from engine import numpy_exp
-from engine.cpu_shortcuts import cpu_shortcuts
+from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
 from engine.engine import BlockPoolBatchEngine
 from engine.gemm_rows import padded_rows
 from engine.params import SamplingParams
@@ -35,11 +35,11 @@ def test_the_routed_swiglu_uses_numpy_inside_the_ragged_step_only(monkeypatch: p
     gate, x = mx.ones((2, 1, 8)), mx.ones((2, 1, 8))
     llama.swiglu(gate, x)
     assert calls == [], "outside the ragged step: mlx-lm's own"
-    with numpy_exp.in_ragged_step(cpu_shortcuts().numpy_exp):
+    with in_ragged_step(cpu_shortcuts()):
         llama.swiglu(gate, x)
     assert calls == [1]
     monkeypatch.setenv("KVRQ_NUMPY_EXP", "0")
-    with numpy_exp.in_ragged_step(cpu_shortcuts().numpy_exp):
+    with in_ragged_step(cpu_shortcuts()):
         llama.swiglu(gate, x)
     assert calls == [1], "switched off"
 

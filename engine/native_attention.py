@@ -1,0 +1,171 @@
+"""Decoding rows' attention in one C call per layer, on the CPU (engine/native/decode_attention.c).
+
+Why: a decoding row with its own K/V buffers (longer than the ShortSlots' rows) costs MLX ~10
+small ops a layer (~8 us each to run on this CPU) and matmuls of 3 query rows that read K/V at
+~3.5 GB/s. Twelve agents of ~800 tokens spent ~5.4 ms a layer there, about half of a decode
+step; the C loop reads each K/V line once, on two threads: 1.45 ms
+(`python benchmarks/bench_attention.py --only decode`; docs/platform.md).
+
+The library is compiled on first use with the system's C compiler (`cc`, or $CC) into a cache
+folder keyed by the source, the flags and the machine ($KVRQ_NATIVE_CACHE, default
+~/.cache/kvrq/native), and loaded with ctypes: no build step at install. Without a compiler, or if
+compiling fails, `library()` is None (logged once) and attention stays on MLX's path.
+
+Guarantees: only float32 rows of one query token, unmasked, head dims a multiple of 8; the same
+attention up to float32 rounding (max difference ~6e-7 on unit-scale inputs; greedy tokens equal
+mlx_lm.generate's in the parity tests); KVRQ_NATIVE_ATTENTION=0 turns it off
+(engine/cpu_shortcuts.py); KVRQ_ATTENTION_THREADS sets the threads (default: up to 2 a step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionCall
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "native" / "decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread")
+LANES = 8  # the C loop's vector width: head dims must be multiples of it
+MAX_REPEATS = 64  # query heads per KV head the C loop holds
+# Below this many K/V lines in a layer, a second thread costs more than it saves.
+THREAD_MIN_LINES = 2048
+_POINTER = ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("KVRQ_NATIVE_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "kvrq" / "native"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per source, flags and machine; None where it cannot be."""
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found: decoding rows' attention stays on MLX's path")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, platform.machine())).encode()).hexdigest()[:16]
+    target = cache_dir() / f"decode_attention-{key}.so"
+    try:
+        if not target.exists():
+            _compile(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not build %s (%s): decoding rows' attention stays on MLX's path", SOURCE.name, exc)
+        return None
+    lib.decode_attention.argtypes = [ctypes.c_int, *[_POINTER] * 6, *[ctypes.c_int] * 4, ctypes.c_float]
+    lib.decode_attention.argtypes += [_POINTER, ctypes.c_int]
+    lib.decode_attention.restype = ctypes.c_int
+    return lib
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Compile into a temporary file beside `target`, then rename: processes starting together
+    never load a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def fits(call: AttentionCall) -> bool:
+    """Whether `call` is one the C loop computes: one row, one query token, no mask, float32."""
+    batch, heads, length, k_dim = call.queries.shape
+    kv_heads = call.keys.shape[1]
+    return (
+        batch == 1
+        and length == 1
+        and call.mask is None
+        and call.queries.dtype == call.keys.dtype == call.values.dtype == mx.float32
+        and k_dim % LANES == 0
+        and call.values.shape[-1] % LANES == 0
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_REPEATS
+    )
+
+
+def threads(lines: int) -> int:
+    """Threads for a layer of `lines` K/V lines: two where there are two cores and enough lines
+    (measured on the 2-core dev machine; more cores would share the same memory bandwidth)."""
+    configured = os.environ.get("KVRQ_ATTENTION_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return 1 if lines < THREAD_MIN_LINES else _two_or_fewer_cores()
+
+
+@functools.cache
+def _two_or_fewer_cores() -> int:
+    return min(2, os.cpu_count() or 1)
+
+
+def _lines_view(array: mx.array) -> np.ndarray:
+    """numpy's view of an evaluated (1, heads, length, dim) array whose lines are contiguous
+    (a KV buffer's prefix is); a copy where they are not."""
+    view = np.asarray(array)
+    if view.strides[-1] != view.itemsize or view.strides[-2] != view.shape[-1] * view.itemsize:
+        view = np.ascontiguousarray(view)
+    return view
+
+
+def attend_decode_rows(lib: ctypes.CDLL, calls: list[AttentionCall], scale: float) -> mx.array:
+    """(len(calls), heads, 1, value_dim): every call's attention output, in order. The calls'
+    arrays must be evaluated (the caller's one sync of the layer does it)."""
+    _, heads, _, k_dim = calls[0].queries.shape
+    kv_heads, v_dim = calls[0].keys.shape[1], calls[0].values.shape[-1]
+    queries = [np.ascontiguousarray(np.asarray(c.queries)) for c in calls]
+    keys = [_lines_view(c.keys) for c in calls]
+    values = [_lines_view(c.values) for c in calls]
+    lengths = np.array([k.shape[2] for k in keys], dtype=np.int64)
+    # Locals, not temporaries: the C call reads these tables, so they must outlive it.
+    tables = [np.array([a.ctypes.data for a in arrays], dtype=np.uintp) for arrays in (queries, keys, values)]
+    k_strides = np.array([k.strides[1] // k.itemsize for k in keys], dtype=np.int64)
+    v_strides = np.array([v.strides[1] // v.itemsize for v in values], dtype=np.int64)
+    out = np.empty((len(calls), heads, 1, v_dim), dtype=np.float32)
+    status = lib.decode_attention(
+        len(calls),
+        *(table.ctypes.data for table in tables),
+        lengths.ctypes.data,
+        k_strides.ctypes.data,
+        v_strides.ctypes.data,
+        kv_heads,
+        heads // kv_heads,
+        k_dim,
+        v_dim,
+        scale,
+        out.ctypes.data,
+        threads(int(lengths.sum()) * kv_heads),
+    )
+    if status != 0:
+        raise MemoryError("decode_attention could not get scratch memory")
+    return mx.array(out)
