@@ -1,14 +1,21 @@
-"""Attention on the CPU: MLX's fused call vs kvrq's split with numpy's softmax, same inputs, same run.
+"""Attention on the CPU, same inputs, same run.
 
-The shapes are the ragged step's: a warm agent's 17 suffix tokens over its history, a 256-token
-prefill chunk, one decoding row over a long history, 16 slotted short rows. Prints a markdown
-table of medians (ms) and the ratio fused / numpy (above 1: the numpy softmax is faster).
+`--only split`: MLX's fused call vs kvrq's split with numpy's softmax, on the ragged step's
+shapes (a warm agent's 17 suffix tokens over its history, a 256-token prefill chunk, one
+decoding row over a long history, 16 slotted short rows): medians (ms) and fused / numpy.
+
+`--only decode`: a layer of decoding rows with their own K/V (12 rows of 760, 1500 and 4000
+tokens; 16 slotted rows of 300), 30 layers' worth of buffers cycled so that K/V come from memory
+as in a real step: MLX's split path vs the C loop (engine/native_attention.py) on 1 and 2
+threads, ms a layer and the ratio.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +44,85 @@ def median_ms(fn: Callable[[], object], repeat: int = 21) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", choices=["split", "decode"], action="append")
+    only = parser.parse_args().only or ["split", "decode"]
     ensure_fast_blas()
+    if "split" in only:
+        bench_split()
+    if "decode" in only:
+        bench_decode()
+
+
+DECODE_LAYOUTS = [  # (name, rows, tokens, slotted)
+    ("12 rows x 760 tokens", 12, 760, False),
+    ("12 rows x 1500 tokens", 12, 1500, False),
+    ("12 rows x 4000 tokens", 12, 4000, False),
+    ("16 slotted rows x 300 tokens", 16, 300, True),
+]
+
+
+def bench_decode(layers: int = 30) -> None:
+    import os
+
+    import mlx.core as mx
+
+    from engine import native_attention
+    from engine.attention import AttentionCall, attend
+    from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
+
+    print(
+        "| decoding rows | MLX split ms/layer | C, 1 thread | C, 2 threads | MLX / C, 2 threads | max diff |"
+    )
+    print("|---|---|---|---|---|---|")
+    assert native_attention.library() is not None, "no C compiler: nothing to compare"
+    for name, rows, tokens, slotted in DECODE_LAYOUTS:
+        capacity = (tokens // 256 + 2) * 256
+        layer_calls = []
+        for _ in range(layers):
+            if slotted:  # the ShortSlots' layout: rows side by side, each attending a prefix
+                k, v = (mx.random.normal((rows, 3, capacity, 64))[:, :, : tokens + 1] for _ in range(2))
+                q = mx.random.normal((rows, 9, 1, 64))
+                mx.eval(k, v, q)
+                calls = [AttentionCall(q, k, v, prefix_lengths=(tokens + 1,) * rows)]
+            else:
+                calls = []
+                for _ in range(rows):
+                    k, v = (mx.random.normal((1, 3, capacity, 64))[:, :, :tokens] for _ in range(2))
+                    q = mx.random.normal((1, 9, 1, 64))
+                    mx.eval(k, v, q)
+                    calls.append(AttentionCall(q, k, v))
+            layer_calls.append(calls)
+
+        def run(
+            native: bool, threads: str, layer_calls: list[list[AttentionCall]] = layer_calls
+        ) -> tuple[float, list[mx.array]]:
+            os.environ["KVRQ_ATTENTION_THREADS"] = threads
+            shortcuts = replace(cpu_shortcuts(), native_attention=native)
+            times, last = [], []
+            for _ in range(3):
+                for calls in layer_calls:
+                    started = time.perf_counter()
+                    with in_ragged_step(shortcuts):
+                        last = attend(calls, 0.125, None)
+                    mx.eval(last)
+                    times.append(time.perf_counter() - started)
+            return ms(statistics.median(times)), last
+
+        split_ms, want = run(False, "1")
+        one_ms, _ = run(True, "1")
+        two_ms, got = run(True, "2")
+        os.environ.pop("KVRQ_ATTENTION_THREADS")
+        difference = max(float(mx.abs(a - b).max()) for a, b in zip(got, want, strict=True))
+        print(
+            f"| {name} | {split_ms} | {one_ms} | {two_ms} | {split_ms / two_ms:.2f} | {difference:.1e} |",
+            flush=True,
+        )
+
+
+def bench_split() -> None:
     import mlx.core as mx
     import numpy as np
 

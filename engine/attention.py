@@ -21,6 +21,7 @@ turns it off (engine/cpu_shortcuts.py).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -38,6 +39,9 @@ class AttentionCall:
     # "causal": the queries are the last tokens of the keys; a bool (batch, 1, 1, keys)
     # array: True where a key may be attended; None: every key.
     mask: mx.array | str | None = None
+    # Where the mask keeps a prefix of each batch row's keys: their lengths (the ShortSlots'
+    # call); lets decoding rows skip the mask (engine/native_attention.py).
+    prefix_lengths: tuple[int, ...] | None = None
 
 
 def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
@@ -55,7 +59,8 @@ def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> 
     outputs: list[mx.array] = [mx.array(0)] * len(calls)
     if lib is not None and native:
         rows = native_attention.attend_decode_rows(lib, [calls[i] for i in native], scale)
-        parts = mx.split(rows, len(native), axis=0) if len(native) > 1 else [rows]
+        sizes = [calls[i].queries.shape[0] for i in native]
+        parts = mx.split(rows, list(itertools.accumulate(sizes[:-1])), axis=0) if len(native) > 1 else [rows]
         for i, part in zip(native, parts, strict=True):
             outputs[i] = part
     for i, weights in zip(split, scores, strict=True):

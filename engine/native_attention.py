@@ -1,20 +1,22 @@
 """Decoding rows' attention in one C call per layer, on the CPU (engine/native/decode_attention.c).
 
-Why: a decoding row with its own K/V buffers (longer than the ShortSlots' rows) costs MLX ~10
-small ops a layer (~8 us each to run on this CPU) and matmuls of 3 query rows that read K/V at
-~3.5 GB/s. Twelve agents of ~800 tokens spent ~5.4 ms a layer there, about half of a decode
-step; the C loop reads each K/V line once, on two threads: 1.45 ms
-(`python benchmarks/bench_attention.py --only decode`; docs/platform.md).
+Why: a decoding row with its own K/V buffers costs MLX ~10 small ops a layer (~8 us each to run
+on the 2-core dev machine) and matmuls of 3 query rows that read K/V at ~3.5 GB/s: twelve agents
+of ~760 tokens spent about a third of each decode step there. The C loop reads each K/V line once,
+on two threads, for every decoding row of the layer in one call: whole decode steps of 12 such
+rows ran 1.28x faster (1.51x at 4K tokens), 16 slotted rows of 300 tokens 1.18x
+(`python benchmarks/bench_attention.py --only decode`; benchmarks/README.md).
 
-The library is compiled on first use with the system's C compiler (`cc`, or $CC) into a cache
-folder keyed by the source, the flags and the machine ($KVRQ_NATIVE_CACHE, default
-~/.cache/kvrq/native), and loaded with ctypes: no build step at install. Without a compiler, or if
-compiling fails, `library()` is None (logged once) and attention stays on MLX's path.
+The library is compiled on first use with the system's C compiler ($CC, else cc) into a cache
+folder keyed by the source, the compiler, the flags and the machine ($KVRQ_NATIVE_CACHE, default
+~/.cache/kvrq/native) and loaded with ctypes: no build step at install. Without a compiler, or
+if compiling fails, `library()` is None (logged once) and attention stays on MLX's path.
 
-Guarantees: only float32 rows of one query token, unmasked, head dims a multiple of 8; the same
-attention up to float32 rounding (max difference ~6e-7 on unit-scale inputs; greedy tokens equal
+Guarantees: only float32 rows of one query token that attend all their keys, or a known prefix
+of them (`prefix_lengths`, the ShortSlots' rows), key dims a multiple of 8; the same attention up
+to float32 rounding (max difference ~6e-7 on unit-scale inputs; greedy tokens equal
 mlx_lm.generate's in the parity tests); KVRQ_NATIVE_ATTENTION=0 turns it off
-(engine/cpu_shortcuts.py); KVRQ_ATTENTION_THREADS sets the threads (default: up to 2 a step).
+(engine/cpu_shortcuts.py); KVRQ_ATTENTION_THREADS sets the threads (default: up to 2).
 """
 
 from __future__ import annotations
@@ -100,16 +102,15 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 def fits(call: AttentionCall) -> bool:
-    """Whether `call` is one the C loop computes: one row, one query token, no mask, float32."""
+    """Whether `call` is one the C loop computes: decoding rows (one query token each), float32,
+    attending all their keys (one row, no mask) or a known prefix of them (`prefix_lengths`)."""
     batch, heads, length, k_dim = call.queries.shape
     kv_heads = call.keys.shape[1]
     return (
-        batch == 1
-        and length == 1
-        and call.mask is None
+        length == 1
+        and (call.mask is None and batch == 1 or call.prefix_lengths is not None)
         and call.queries.dtype == call.keys.dtype == call.values.dtype == mx.float32
         and k_dim % LANES == 0
-        and call.values.shape[-1] % LANES == 0
         and heads % kv_heads == 0
         and heads // kv_heads <= MAX_REPEATS
     )
@@ -139,32 +140,47 @@ def _lines_view(array: mx.array) -> np.ndarray:
 
 
 def attend_decode_rows(lib: ctypes.CDLL, calls: list[AttentionCall], scale: float) -> mx.array:
-    """(len(calls), heads, 1, value_dim): every call's attention output, in order. The calls'
-    arrays must be evaluated (the caller's one sync of the layer does it)."""
+    """(rows, heads, 1, value_dim): the attention output of every call's rows, in order. The
+    calls' arrays must be evaluated (the caller's one sync of the layer does it)."""
     _, heads, _, k_dim = calls[0].queries.shape
     kv_heads, v_dim = calls[0].keys.shape[1], calls[0].values.shape[-1]
-    queries = [np.ascontiguousarray(np.asarray(c.queries)) for c in calls]
-    keys = [_lines_view(c.keys) for c in calls]
-    values = [_lines_view(c.values) for c in calls]
-    lengths = np.array([k.shape[2] for k in keys], dtype=np.int64)
+    queries: list[int] = []  # per row: where its query heads, keys and values start
+    keys: list[int] = []
+    values: list[int] = []
+    lengths: list[int] = []  # per row: keys attended
+    k_strides: list[int] = []  # per row: floats from one KV head to the next
+    v_strides: list[int] = []
+    views = []  # the numpy views the pointers point into: alive until the call returns
+    for call in calls:
+        batch = call.queries.shape[0]
+        q = np.ascontiguousarray(np.asarray(call.queries))
+        k, v = _lines_view(call.keys), _lines_view(call.values)
+        views += [q, k, v]
+        prefixes = call.prefix_lengths or (k.shape[2],) * batch
+        for b in range(batch):
+            queries.append(q.ctypes.data + b * q.strides[0])
+            keys.append(k.ctypes.data + b * k.strides[0])
+            values.append(v.ctypes.data + b * v.strides[0])
+            lengths.append(prefixes[b])
+            k_strides.append(k.strides[1] // k.itemsize)
+            v_strides.append(v.strides[1] // v.itemsize)
     # Locals, not temporaries: the C call reads these tables, so they must outlive it.
-    tables = [np.array([a.ctypes.data for a in arrays], dtype=np.uintp) for arrays in (queries, keys, values)]
-    k_strides = np.array([k.strides[1] // k.itemsize for k in keys], dtype=np.int64)
-    v_strides = np.array([v.strides[1] // v.itemsize for v in values], dtype=np.int64)
-    out = np.empty((len(calls), heads, 1, v_dim), dtype=np.float32)
+    tables = [np.array(pointers, dtype=np.uintp) for pointers in (queries, keys, values)]
+    row_lengths = np.array(lengths, dtype=np.int64)
+    head_strides = [np.array(strides, dtype=np.int64) for strides in (k_strides, v_strides)]
+    out = np.empty((len(lengths), heads, 1, v_dim), dtype=np.float32)
     status = lib.decode_attention(
-        len(calls),
+        len(lengths),
         *(table.ctypes.data for table in tables),
-        lengths.ctypes.data,
-        k_strides.ctypes.data,
-        v_strides.ctypes.data,
+        row_lengths.ctypes.data,
+        *(strides.ctypes.data for strides in head_strides),
         kv_heads,
         heads // kv_heads,
         k_dim,
         v_dim,
         scale,
         out.ctypes.data,
-        threads(int(lengths.sum()) * kv_heads),
+        threads(int(row_lengths.sum()) * kv_heads),
     )
     if status != 0:
         raise MemoryError("decode_attention could not get scratch memory")

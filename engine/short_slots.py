@@ -45,6 +45,7 @@ class SlotStep:
     mask: mx.array | None  # (size, 1, 1, width): True where a row has a token; None: all rows full
     lines: mx.array  # (size * heads,): buffer line of each new head vector
     positions: mx.array  # (size * heads,): the position it is written to
+    lengths: tuple[int, ...]  # each slotted row's tokens after this step's
 
 
 class ShortSlots:
@@ -127,6 +128,7 @@ class ShortSlots:
             mask=mask,
             lines=mx.arange(size * heads),
             positions=mx.repeat(mx.array(lengths), heads),
+            lengths=tuple(n + 1 for n in lengths),
         )
 
     def write(self, layer: int, step: SlotStep, keys: mx.array, values: mx.array) -> None:
@@ -140,7 +142,7 @@ class ShortSlots:
         shape = (self.slots, self.heads, self.capacity)
         k = keys.reshape(*shape, -1)[: step.size, :, : step.width]
         v = values.reshape(*shape, -1)[: step.size, :, : step.width]
-        return AttentionCall(queries, k, v, mask=step.mask)
+        return AttentionCall(queries, k, v, mask=step.mask, prefix_lengths=step.lengths)
 
     def clear(self) -> None:
         """Free the buffers (the rows in them, if any, are dropped with their K/V)."""

@@ -41,9 +41,11 @@ static inline float dot(const float *a, const float *b, int dim) {
     float lanes[LANES] = {0};
     for (int d = 0; d < dim; d += LANES)
         for (int j = 0; j < LANES; j++) lanes[j] += a[d + j] * b[d + j];
-    float total = 0.0f;
-    for (int j = 0; j < LANES; j++) total += lanes[j];
-    return total;
+    /* A tree, not a chain of 8 dependent adds: the reduction is on every score's path. */
+    float half[4], quarter[2];
+    for (int j = 0; j < 4; j++) half[j] = lanes[j] + lanes[j + 4];
+    for (int j = 0; j < 2; j++) quarter[j] = half[j] + half[j + 2];
+    return quarter[0] + quarter[1];
 }
 
 static inline float lane_max(const float *x, int64_t n) {

@@ -63,6 +63,19 @@ def test_the_library_builds_and_fits_decoding_rows_only() -> None:
     )
     odd_dim = AttentionCall(mx.zeros((1, 9, 1, 60)), mx.zeros((1, 3, 40, 60)), mx.zeros((1, 3, 40, 60)))
     assert not any(native_attention.fits(c) for c in (suffix, slotted, halves, odd_dim))
+    assert native_attention.fits(replace(slotted, prefix_lengths=(40, 3, 9, 1)))
+
+
+def slotted_rows(lengths: list[int], width: int, capacity: int) -> AttentionCall:
+    """The ShortSlots' call: rows side by side in one (slots * heads, capacity, dim) buffer,
+    each keeping a prefix of `width` keys."""
+    mx.random.seed(len(lengths) + width)
+    slots, heads, kv_heads = len(lengths) + 2, 9, 3
+    buffers = [mx.random.normal((slots * kv_heads, capacity, dim)) for dim in (64, 48)]
+    k, v = (b.reshape(slots, kv_heads, capacity, -1)[: len(lengths), :, :width] for b in buffers)
+    mask = (mx.arange(width)[None, :] < mx.array(lengths)[:, None])[:, None, None, :]
+    queries = mx.random.normal((len(lengths), heads, 1, 64))
+    return AttentionCall(queries, k, v, mask=mask, prefix_lengths=tuple(lengths))
 
 
 @pytest.mark.parametrize(
@@ -85,9 +98,18 @@ def test_rows_of_several_lengths_come_back_in_order_on_any_number_of_threads(
     calls = [decoding_row(n, seed) for seed, n in enumerate([900, 3, 2600, 1, 64, 1500])]
     suffix = AttentionCall(mx.random.normal((1, 9, 5, 64)), calls[0].keys, calls[0].values, "causal")
     calls.insert(2, suffix)  # goes the split path, between C rows
+    calls.insert(4, slotted_rows([300, 2, 511], width=511, capacity=512))  # three C rows in one call
     outputs = attend(calls)
     for call, got in zip(calls, outputs, strict=True):
         np.testing.assert_allclose(np.array(got), np.array(fused(call)), atol=2e-6, rtol=1e-5)
+
+
+def test_slotted_rows_attend_their_own_prefix_only() -> None:
+    call = slotted_rows([40, 1, 7, 39, 20], width=40, capacity=64)
+    (got,) = attend([call])
+    want = fused(call)
+    assert got.shape == want.shape == (5, 9, 1, 48)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
 
 
 def test_extreme_scores_give_the_softmax_not_nan() -> None:
