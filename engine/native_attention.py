@@ -8,7 +8,7 @@ rows ran 1.28x faster (1.51x at 4K tokens), 16 slotted rows of 300 tokens 1.18x
 (`python benchmarks/bench_attention.py --only decode`; benchmarks/README.md).
 
 The library is compiled on first use with the system's C compiler ($CC, else cc) into a cache
-folder keyed by the source, the compiler, the flags and the machine ($KVRQ_NATIVE_CACHE, default
+folder keyed by the source, the compiler, the flags and the CPU ($KVRQ_NATIVE_CACHE, default
 ~/.cache/kvrq/native) and loaded with ctypes: no build step at install. Without a compiler, or
 if compiling fails, `library()` is None (logged once) and attention stays on MLX's path.
 
@@ -61,18 +61,24 @@ def _compiler() -> str | None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per source, flags and machine; None where it cannot be."""
+    """The compiled kernel, built once per source, compiler, flags and CPU; None where it cannot be."""
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found: decoding rows' attention stays on MLX's path")
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, platform.machine())).encode()).hexdigest()[:16]
+    built_for = " ".join((compiler, *FLAGS, platform.machine(), _cpu_features()))
+    key = hashlib.sha256(source + built_for.encode()).hexdigest()[:16]
     target = cache_dir() / f"decode_attention-{key}.so"
     try:
         if not target.exists():
             _compile(compiler, target)
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError:  # a damaged file in the cache (a full disk, say): built again, once
+            target.unlink(missing_ok=True)
+            _compile(compiler, target)
+            lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("could not build %s (%s): decoding rows' attention stays on MLX's path", SOURCE.name, exc)
         return None
@@ -80,6 +86,16 @@ def library() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes += [_POINTER, ctypes.c_int]
     lib.decode_attention.restype = ctypes.c_int
     return lib
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags where Linux lists them: -march=native code built on one CPU may not
+    run on another that shares the cache folder (a home directory on NFS)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
 
 
 def _compile(compiler: str, target: Path) -> None:

@@ -3,6 +3,9 @@ rounding, in order, on any number of threads, and off (MLX's path) where it cann
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -159,6 +162,22 @@ def test_the_library_is_built_once_into_the_cache_folder(
 
     monkeypatch.setattr(native_attention, "_compile", refuse)  # a second process loads the built one
     assert native_attention.library() is not None
+
+
+def load_in_a_new_process(cache: Path) -> bool:
+    """Whether a fresh process (dlopen caches what this one loaded, by path) gets the library."""
+    code = "from engine import native_attention; print(native_attention.library() is not None)"
+    env = {**os.environ, "KVRQ_NATIVE_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return done.stdout.strip() == "True"
+
+
+def test_a_damaged_library_in_the_cache_is_built_again(tmp_path: Path) -> None:
+    assert load_in_a_new_process(tmp_path)
+    (built,) = tmp_path.iterdir()
+    built.write_bytes(b"half a library")
+    assert load_in_a_new_process(tmp_path)
+    assert built.read_bytes()[:4] == b"\x7fELF", "rebuilt in place"
 
 
 def test_ragged_steps_with_and_without_c_attention_generate_the_same_tokens(
