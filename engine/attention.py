@@ -8,8 +8,8 @@ rows decoding over 512 tokens 4.8 vs 2.8 ms (docs/platform.md). So on the CPU a 
 calls run in three parts: all their scores (MLX matmuls), evaluated together (one sync per
 layer), the masked softmax's exponentials in numpy, then the weighted sum of the values (MLX
 matmuls) divided by the exponentials' sums.
-Decoding rows with their own K/V (one query token, no mask) go to one C call for all of them
-instead (engine/native_attention.py), where it could be built.
+Decoding rows (one query token over all their keys, or over a known prefix: the ShortSlots')
+go to one C call for all of them instead (engine/native_attention.py), where it could be built.
 Elsewhere (Metal, CUDA, outside the ragged step), with attention sinks, or for other dtypes
 than float32, the fused call.
 
@@ -52,7 +52,7 @@ def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> 
         return [fused(c.queries, c.keys, c.values, scale=scale, mask=c.mask, sinks=sinks) for c in calls]
     lib = native_attention.library() if shortcuts.native_attention else None
     native = [i for i, call in enumerate(calls) if lib is not None and native_attention.fits(call)]
-    split = [i for i in range(len(calls)) if i not in set(native)]
+    split = sorted(set(range(len(calls))) - set(native))
     scores = [_scores(calls[i], scale) for i in split]
     masks = [call.mask for call in calls if isinstance(call.mask, mx.array)]
     mx.eval(scores, masks, [(calls[i].queries, calls[i].keys, calls[i].values) for i in native])
