@@ -1,11 +1,14 @@
-"""Decoding rows' attention in one C call per layer, on the CPU (engine/native/decode_attention.c).
+"""Decoding rows' attention in one C call per layer, and the softmax of the other rows' scores,
+on the CPU (engine/native/decode_attention.c, softmax_rows.c).
 
 Why: a decoding row with its own K/V buffers costs MLX ~10 small ops a layer (~8 us each to run
 on the 2-core dev machine) and matmuls of 3 query rows that read K/V at ~3.5 GB/s: twelve agents
 of ~760 tokens spent about a third of each decode step there. The C loop reads each K/V line once,
 on two threads, for every decoding row of the layer in one call: whole decode steps of 12 such
 rows ran 1.28x faster (1.51x at 4K tokens), 16 slotted rows of 300 tokens 1.18x
-(`python benchmarks/bench_attention.py --only decode`; benchmarks/README.md).
+(`python benchmarks/bench_attention.py --only decode`; benchmarks/README.md). The rows MLX's
+matmuls serve (a prefill chunk, a warm agent's suffix) get their softmax here too: numpy's
+max, subtract, exp and sum are four passes over the scores, the C loop's two, on two threads.
 
 The library is compiled on first use with the system's C compiler ($CC, else cc) into a cache
 folder keyed by the source, the compiler, the flags and the CPU ($KVRQ_NATIVE_CACHE, default
@@ -13,8 +16,8 @@ folder keyed by the source, the compiler, the flags and the CPU ($KVRQ_NATIVE_CA
 if compiling fails, `library()` is None (logged once) and attention stays on MLX's path.
 
 Guarantees: only float32 rows of one query token that attend all their keys, or a known prefix
-of them (`prefix_lengths`, the ShortSlots' rows), key dims a multiple of 8; the same attention up
-to float32 rounding (max difference ~6e-7 on unit-scale inputs; greedy tokens equal
+of them (`prefix_lengths`, the ShortSlots' rows), key dims a multiple of 8; the softmax only for
+float32 scores in one piece, causal or unmasked; the same attention up to float32 rounding (max difference ~6e-7 on unit-scale inputs; greedy tokens equal
 mlx_lm.generate's in the parity tests); KVRQ_NATIVE_ATTENTION=0 turns it off
 (engine/cpu_shortcuts.py); KVRQ_ATTENTION_THREADS sets the threads (default: up to 2).
 """
@@ -41,12 +44,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread")
+NATIVE = Path(__file__).parent / "native"
+SOURCES = (NATIVE / "decode_attention.c", NATIVE / "softmax_rows.c")
+HEADERS = (NATIVE / "exp_nonpositive.h",)
+# -fno-math-errno -fno-trapping-math change no value; without them gcc leaves the softmax's
+# exp and max loops scalar (3x slower than numpy instead of 3x faster).
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c11",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+)
 LANES = 8  # the C loop's vector width: head dims must be multiples of it
 MAX_REPEATS = 64  # query heads per KV head the C loop holds
 # Below this many K/V lines in a layer, a second thread costs more than it saves.
 THREAD_MIN_LINES = 2048
+# Below this many scores in a layer, the softmax stays on one thread.
+SOFTMAX_THREAD_MIN_SCORES = 65536
 _POINTER = ctypes.c_void_p
 
 
@@ -64,12 +82,12 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernel, built once per source, compiler, flags and CPU; None where it cannot be."""
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler found: decoding rows' attention stays on MLX's path")
+        log.warning("no C compiler found: attention stays on MLX's and numpy's path")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     built_for = " ".join((compiler, *FLAGS, platform.machine(), _cpu_features()))
     key = hashlib.sha256(source + built_for.encode()).hexdigest()[:16]
-    target = cache_dir() / f"decode_attention-{key}.so"
+    target = cache_dir() / f"attention-{key}.so"
     try:
         if not target.exists():
             _compile(compiler, target)
@@ -80,11 +98,13 @@ def library() -> ctypes.CDLL | None:
             _compile(compiler, target)
             lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("could not build %s (%s): decoding rows' attention stays on MLX's path", SOURCE.name, exc)
+        log.warning("could not build %s (%s): attention stays on MLX's and numpy's path", NATIVE, exc)
         return None
     lib.decode_attention.argtypes = [ctypes.c_int, *[_POINTER] * 6, *[ctypes.c_int] * 4, ctypes.c_float]
     lib.decode_attention.argtypes += [_POINTER, ctypes.c_int]
     lib.decode_attention.restype = ctypes.c_int
+    lib.softmax_rows.argtypes = [_POINTER, *[ctypes.c_int64] * 3, _POINTER, ctypes.c_int]
+    lib.softmax_rows.restype = ctypes.c_int
     return lib
 
 
@@ -106,7 +126,7 @@ def _compile(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-o", partial, *map(str, SOURCES), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
@@ -132,13 +152,14 @@ def fits(call: AttentionCall) -> bool:
     )
 
 
-def threads(lines: int) -> int:
-    """Threads for a layer of `lines` K/V lines: two where there are two cores and enough lines
-    (measured on the 2-core dev machine; more cores would share the same memory bandwidth)."""
+def threads(enough_work: bool) -> int:
+    """Threads for a call: two where there are two cores and enough work for a second thread to
+    pay for its start (measured on the 2-core dev machine; more cores would share the same memory
+    bandwidth)."""
     configured = os.environ.get("KVRQ_ATTENTION_THREADS", "")
     if configured.isdigit() and int(configured) > 0:
         return int(configured)
-    return 1 if lines < THREAD_MIN_LINES else _two_or_fewer_cores()
+    return _two_or_fewer_cores() if enough_work else 1
 
 
 @functools.cache
@@ -196,8 +217,26 @@ def attend_decode_rows(lib: ctypes.CDLL, calls: list[AttentionCall], scale: floa
         v_dim,
         scale,
         out.ctypes.data,
-        threads(int(row_lengths.sum()) * kv_heads),
+        threads(int(row_lengths.sum()) * kv_heads >= THREAD_MIN_LINES),
     )
     if status != 0:
         raise MemoryError("decode_attention could not get scratch memory")
     return mx.array(out)
+
+
+def softmax_numerators(lib: ctypes.CDLL, scores: np.ndarray, queries: int) -> np.ndarray | None:
+    """The masked softmax's numerators written over `scores` (..., rows, keys), and their sums
+    (..., rows, 1); None where the C loop cannot take the array (the caller's numpy path then).
+    `queries` > 1: causal, the rows come in groups of that many query tokens, the last tokens of
+    the keys; 1: every row sees every key."""
+    if scores.dtype != np.float32 or not scores.flags.c_contiguous or not scores.flags.writeable:
+        return None
+    length = scores.shape[-1]
+    rows = scores.size // length if length else 0
+    if rows == 0 or queries > length:
+        return None
+    totals = np.empty((*scores.shape[:-1], 1), dtype=np.float32)
+    workers = threads(scores.size >= SOFTMAX_THREAD_MIN_SCORES)
+    if lib.softmax_rows(scores.ctypes.data, rows, length, queries, totals.ctypes.data, workers) != 0:
+        return None
+    return totals

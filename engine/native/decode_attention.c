@@ -15,27 +15,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_nonpositive.h"
+
 #define LANES 8
 #define MAX_REPEATS 64 /* query heads per KV head; checked by the caller */
-
-/* exp(x) for x <= 0 (scores less their maximum): Cody-Waite range reduction and the
- * classic single-precision polynomial (Cephes' expf), written so that it vectorizes. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 static inline float dot(const float *a, const float *b, int dim) {
     float lanes[LANES] = {0};

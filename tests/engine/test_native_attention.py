@@ -1,5 +1,6 @@
-"""Decoding rows' attention in C (engine/native_attention.py): equal to MLX's fused call up to
-rounding, in order, on any number of threads, and off (MLX's path) where it cannot be built."""
+"""Decoding rows' attention and the other rows' softmax in C (engine/native_attention.py): equal to
+MLX's fused call (and numpy's softmax) up to rounding, in order, on any number of threads, and off
+(MLX's and numpy's path) where it cannot be built."""
 
 from __future__ import annotations
 
@@ -135,13 +136,71 @@ def test_a_layer_of_decoding_rows_makes_one_c_call(monkeypatch: pytest.MonkeyPat
     assert calls == [3], "switched off: MLX's path"
 
 
+def numpy_softmax(scores: np.ndarray, queries: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference: rows in groups of `queries` causal query tokens, numerators and sums."""
+    x = scores.astype(np.float64)
+    keys = x.shape[-1]
+    if queries > 1:
+        row = np.arange(x.shape[-2]) % queries
+        x[..., np.arange(keys)[None, :] > keys - queries + row[:, None]] = -np.inf
+    x = np.exp(x - x.max(axis=-1, keepdims=True))
+    return x, x.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize(
+    ("shape", "queries"),
+    [((1, 3, 51, 1000), 17), ((1, 3, 51, 3001), 17), ((1, 3, 768, 768), 256), ((2, 3, 12, 40), 4),
+     ((1, 3, 6, 333), 1), ((1, 1, 1, 5), 1), ((1, 3, 3, 9), 3)],
+)  # fmt: skip
+def test_the_c_softmax_equals_numpy_s(shape: tuple[int, ...], queries: int) -> None:
+    lib = native_attention.library()
+    assert lib is not None
+    scores = np.random.default_rng(len(shape) + queries).normal(0, 4, shape).astype(np.float32)
+    want, want_totals = numpy_softmax(scores, queries)
+    totals = native_attention.softmax_numerators(lib, scores, queries)
+    assert totals is not None and totals.shape == (*shape[:-1], 1)
+    np.testing.assert_allclose(scores / totals, want / want_totals, atol=1e-7, rtol=2e-6)
+    np.testing.assert_allclose(totals, want_totals, rtol=2e-6)
+    assert (scores[want == 0] == 0).all(), "keys a causal row does not see weigh exactly 0"
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_a_suffix_over_its_history_takes_the_c_softmax_on_any_number_of_threads(
+    threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVRQ_ATTENTION_THREADS", threads)
+    softmaxes: list[int] = []
+    real = native_attention.softmax_numerators
+    monkeypatch.setattr(
+        native_attention, "softmax_numerators", lambda lib, s, q: softmaxes.append(q) or real(lib, s, q)
+    )
+    history = decoding_row(2500, 3)
+    suffix = AttentionCall(mx.random.normal((1, 9, 17, 64)), history.keys, history.values, "causal")
+    whole = AttentionCall(suffix.queries, history.keys, history.values)  # every key (no mask)
+    masked = slotted_rows([30, 12], width=30, capacity=32)
+    masked = AttentionCall(mx.random.normal((2, 9, 2, 64)), masked.keys, masked.values, masked.mask)
+    outputs = attend([suffix, whole, masked])
+    assert softmaxes == [17, 1], "a boolean mask stays on numpy's path"
+    for call, got in zip([suffix, whole, masked], outputs, strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(fused(call)), atol=2e-6, rtol=1e-5)
+
+
+def test_scores_the_c_softmax_cannot_take_go_back_to_numpy() -> None:
+    lib = native_attention.library()
+    assert lib is not None
+    scores = np.ones((1, 3, 8, 20), dtype=np.float32)
+    assert native_attention.softmax_numerators(lib, scores[..., ::2], 1) is None, "not in one piece"
+    assert native_attention.softmax_numerators(lib, scores.astype(np.float64), 1) is None
+    assert native_attention.softmax_numerators(lib, scores, 21) is None, "more queries than keys"
+
+
 def test_without_a_compiler_attention_stays_on_mlx_s_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("KVRQ_NATIVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")  # a compiler that always fails
     assert native_attention.library() is None
-    assert "stays on MLX's path" in caplog.text
+    assert "stays on MLX's and numpy's path" in caplog.text
     assert list(tmp_path.iterdir()) == [], "no half-built library left behind"
     call = decoding_row(500, 2)
     (got,) = attend([call])
@@ -154,7 +213,7 @@ def test_the_library_is_built_once_into_the_cache_folder(
     monkeypatch.setenv("KVRQ_NATIVE_CACHE", str(tmp_path))
     assert native_attention.library() is not None
     (built,) = tmp_path.iterdir()
-    assert built.name.startswith("decode_attention-") and built.suffix == ".so"
+    assert built.name.startswith("attention-") and built.suffix == ".so"
     native_attention.library.cache_clear()
 
     def refuse(*args: object) -> None:
