@@ -1,8 +1,9 @@
 """Attention on the CPU, same inputs, same run.
 
-`--only split`: MLX's fused call vs kvrq's split with numpy's softmax, on the ragged step's
-shapes (a warm agent's 17 suffix tokens over its history, a 256-token prefill chunk, one
-decoding row over a long history, 16 slotted short rows): medians (ms) and fused / numpy.
+`--only split`: MLX's fused call vs kvrq's split with numpy's softmax and with its C parts (the
+softmax in C; a decoding row's whole attention in C), on the ragged step's shapes (a warm
+agent's 17 suffix tokens over its history, a 256-token prefill chunk, one decoding row over a
+long history, 16 slotted short rows): medians (ms), fused / numpy and numpy / C.
 
 `--only decode`: a layer of decoding rows with their own K/V (12 rows of 760, 1500 and 4000
 tokens; 16 slotted rows of 300), 30 layers' worth of buffers cycled so that K/V come from memory
@@ -129,8 +130,8 @@ def bench_split() -> None:
     from engine.attention import AttentionCall, attend
     from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
 
-    print("| shape | fused ms | numpy softmax ms | fused / numpy | max abs difference |")
-    print("|---|---|---|---|---|")
+    print("| shape | fused ms | numpy softmax ms | C ms | fused / numpy | numpy / C | max abs difference |")
+    print("|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for name, batch, queries, keys, masked in SHAPES:
         q = mx.random.normal((batch, 9, queries, 64))
@@ -150,16 +151,22 @@ def bench_split() -> None:
             mx.eval(out)
             return out
 
-        def split(call: AttentionCall = call) -> mx.array:
-            with in_ragged_step(replace(cpu_shortcuts(), native_attention=False)):  # the split path
+        def split(call: AttentionCall = call, native: bool = False) -> mx.array:
+            with in_ragged_step(replace(cpu_shortcuts(), native_attention=native)):
                 (out,) = attend([call], 0.125, None)
             mx.eval(out)
             return out
 
-        difference = float(mx.abs(fused() - split()).max())
-        fused_ms, split_ms = median_ms(fused), median_ms(split)
-        ratio = fused_ms / split_ms
-        print(f"| {name} | {fused_ms} | {split_ms} | {ratio:.2f} | {difference:.1e} |", flush=True)
+        def native(call: AttentionCall = call) -> mx.array:
+            return split(call, native=True)
+
+        difference = max(float(mx.abs(fused() - out).max()) for out in (split(), native()))
+        fused_ms, split_ms, native_ms = median_ms(fused), median_ms(split), median_ms(native)
+        print(
+            f"| {name} | {fused_ms} | {split_ms} | {native_ms} | {fused_ms / split_ms:.2f} "
+            f"| {split_ms / native_ms:.2f} | {difference:.1e} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ max, subtract, exp and sum are four passes over the scores, the C loop's two, on
 The library is compiled on first use with the system's C compiler ($CC, else cc) into a cache
 folder keyed by the source, the compiler, the flags and the CPU ($KVRQ_NATIVE_CACHE, default
 ~/.cache/kvrq/native) and loaded with ctypes: no build step at install. Without a compiler, or
-if compiling fails, `library()` is None (logged once) and attention stays on MLX's path.
+if compiling fails, `library()` is None (logged once) and attention stays on MLX's path (the
+softmax on numpy's).
 
 Guarantees: only float32 rows of one query token that attend all their keys, or a known prefix
 of them (`prefix_lengths`, the ShortSlots' rows), key dims a multiple of 8; the softmax only for
-float32 scores in one piece, causal or unmasked; the same attention up to float32 rounding (max difference ~6e-7 on unit-scale inputs; greedy tokens equal
-mlx_lm.generate's in the parity tests); KVRQ_NATIVE_ATTENTION=0 turns it off
+float32 scores in one piece, causal or unmasked; the same attention up to float32 rounding (max
+difference ~6e-7 on unit-scale inputs, ~2e-6 relative for the softmax's sums over 8K keys; greedy
+tokens equal mlx_lm.generate's in the parity tests); KVRQ_NATIVE_ATTENTION=0 turns both off
 (engine/cpu_shortcuts.py); KVRQ_ATTENTION_THREADS sets the threads (default: up to 2).
 """
 
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "decode_attention.c", NATIVE / "softmax_rows.c")
-HEADERS = (NATIVE / "exp_nonpositive.h",)
+HEADERS = (NATIVE / "vector_math.h",)
 # -fno-math-errno -fno-trapping-math change no value; without them gcc leaves the softmax's
 # exp and max loops scalar (3x slower than numpy instead of 3x faster).
 FLAGS = (

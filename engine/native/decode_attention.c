@@ -15,9 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "exp_nonpositive.h"
+#include "vector_math.h"
 
-#define LANES 8
 #define MAX_REPEATS 64 /* query heads per KV head; checked by the caller */
 
 static inline float dot(const float *a, const float *b, int dim) {
@@ -29,29 +28,6 @@ static inline float dot(const float *a, const float *b, int dim) {
     for (int j = 0; j < 4; j++) half[j] = lanes[j] + lanes[j + 4];
     for (int j = 0; j < 2; j++) quarter[j] = half[j] + half[j + 2];
     return quarter[0] + quarter[1];
-}
-
-static inline float lane_max(const float *x, int64_t n) {
-    float lanes[LANES];
-    for (int j = 0; j < LANES; j++) lanes[j] = -INFINITY;
-    int64_t t = 0;
-    for (; t + LANES <= n; t += LANES)
-        for (int j = 0; j < LANES; j++) lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
-    float top = -INFINITY;
-    for (; t < n; t++) top = x[t] > top ? x[t] : top;
-    for (int j = 0; j < LANES; j++) top = lanes[j] > top ? lanes[j] : top;
-    return top;
-}
-
-static inline float lane_sum(const float *x, int64_t n) {
-    float lanes[LANES] = {0};
-    int64_t t = 0;
-    for (; t + LANES <= n; t += LANES)
-        for (int j = 0; j < LANES; j++) lanes[j] += x[t + j];
-    float total = 0.0f;
-    for (; t < n; t++) total += x[t];
-    for (int j = 0; j < LANES; j++) total += lanes[j];
-    return total;
 }
 
 typedef struct {

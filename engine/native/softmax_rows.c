@@ -14,9 +14,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
-#include "exp_nonpositive.h"
-
-#define LANES 8
+#include "vector_math.h"
 
 typedef struct {
     float *scores, *totals;
@@ -24,16 +22,10 @@ typedef struct {
 } Rows;
 
 static void softmax_row(float *x, int64_t visible, int64_t length, float *total) {
-    float lanes[LANES];
-    for (int j = 0; j < LANES; j++) lanes[j] = -INFINITY;
+    const float top = lane_max(x, visible);
+    float sums[LANES] = {0};
     int64_t t = 0;
     for (; t + LANES <= visible; t += LANES)
-        for (int j = 0; j < LANES; j++) lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
-    float top = -INFINITY;
-    for (; t < visible; t++) top = x[t] > top ? x[t] : top;
-    for (int j = 0; j < LANES; j++) top = lanes[j] > top ? lanes[j] : top;
-    float sums[LANES] = {0};
-    for (t = 0; t + LANES <= visible; t += LANES)
         for (int j = 0; j < LANES; j++) {
             const float e = exp_nonpositive(x[t + j] - top);
             x[t + j] = e;
