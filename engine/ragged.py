@@ -363,7 +363,8 @@ class RaggedBatchGenerator:
         for row, n in runs:
             tokens.extend(row.pending[:n])
             positions.extend(range(row.length, row.length + n))
-        shortcuts = cpu_shortcuts()
+        scores = sum(n * (row.length + n) for row, n in runs)
+        shortcuts = cpu_shortcuts().sized_for(len(tokens), scores)
         padding = padded_rows(len(tokens), shortcuts.pad_rows) - len(tokens)
         tokens += [0] * padding
         positions += [0] * padding
