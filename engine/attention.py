@@ -7,7 +7,7 @@ per layer with `mx.fast.scaled_dot_product_attention` and 8.1 ms split this way;
 rows decoding over 512 tokens 4.8 vs 2.8 ms (docs/platform.md). So on the CPU a layer's
 calls run in three parts: all their scores (MLX matmuls), evaluated together (one sync per
 layer), the masked softmax's exponentials in C (engine/native/softmax_rows.c: two passes over
-the scores, 3x faster than numpy's five for a suffix over 8K keys) or, where it cannot be built
+the scores, 3x faster than numpy's four for a suffix over 8K keys) or, where it cannot be built
 or for a boolean mask, in numpy, then the weighted sum of the values (MLX matmuls) divided by
 the exponentials' sums.
 Decoding rows (one query token over all their keys, or over a known prefix: the ShortSlots')
@@ -89,7 +89,7 @@ def _scores(call: AttentionCall, scale: float) -> mx.array:
 def _exp_in_place(scores: np.ndarray, call: AttentionCall, lib: ctypes.CDLL | None) -> np.ndarray:
     """The masked softmax's numerators over the last axis, written over the scores; returns
     their sums (the denominators, keepdims), which the caller divides the output by. In C
-    where it is built (two passes instead of numpy's five; 3x faster for a suffix over 8K keys),
+    where it is built (two passes instead of numpy's four; 3x faster for a suffix over 8K keys),
     else in numpy; a boolean mask array always in numpy.
 
     `scores` is numpy's view of the evaluated MLX array that only this step holds (a
