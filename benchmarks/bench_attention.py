@@ -66,7 +66,6 @@ DECODE_LAYOUTS = [  # (name, rows, tokens, slotted)
 
 
 def bench_decode(layers: int = 30) -> None:
-    import os
 
     import mlx.core as mx
 
@@ -98,10 +97,9 @@ def bench_decode(layers: int = 30) -> None:
             layer_calls.append(calls)
 
         def run(
-            native: bool, threads: str, layer_calls: list[list[AttentionCall]] = layer_calls
+            native: bool, threads: int, layer_calls: list[list[AttentionCall]] = layer_calls
         ) -> tuple[float, list[mx.array]]:
-            os.environ["KVRQ_ATTENTION_THREADS"] = threads
-            shortcuts = replace(cpu_shortcuts(), native_attention=native)
+            shortcuts = replace(cpu_shortcuts(), native_attention=native, attention_threads=threads)
             times, last = [], []
             for _ in range(3):
                 for calls in layer_calls:
@@ -112,10 +110,9 @@ def bench_decode(layers: int = 30) -> None:
                     times.append(time.perf_counter() - started)
             return ms(statistics.median(times)), last
 
-        split_ms, want = run(False, "1")
-        one_ms, _ = run(True, "1")
-        two_ms, got = run(True, "2")
-        os.environ.pop("KVRQ_ATTENTION_THREADS")
+        split_ms, want = run(False, 1)
+        one_ms, _ = run(True, 1)
+        two_ms, got = run(True, 2)
         difference = max(float(mx.abs(a - b).max()) for a, b in zip(got, want, strict=True))
         print(
             f"| {name} | {split_ms} | {one_ms} | {two_ms} | {split_ms / two_ms:.2f} | {difference:.1e} |",

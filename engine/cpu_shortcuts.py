@@ -2,9 +2,9 @@
 
 Why: three shortcuts exist only for MLX's CPU device: exp from numpy (engine/numpy_exp.py),
 matmuls run at OpenBLAS's fast row counts (engine/gemm_rows.py) and decoding rows' attention in
-one C call a layer (engine/native_attention.py). They share the device check, each has its own
-opt-out; deciding them together once a step keeps a step's layers consistent and the device and
-environment lookups out of the per-layer path.
+one C call a layer (engine/native_attention.py), with its thread count. They share the device
+check, each has its own opt-out; deciding them together once a step keeps a step's layers
+consistent and the device and environment lookups out of the per-layer path.
 
 Guarantee: outside `in_ragged_step` (mlx-lm's own generation, the parity tests' reference)
 every shortcut is off.
@@ -26,6 +26,7 @@ class CpuShortcuts:
     numpy_exp: bool  # softmax and SwiGLU exp from numpy; KVRQ_NUMPY_EXP=0 turns it off
     pad_rows: bool  # flat batches padded to 16/32 rows; KVRQ_PAD_ROWS=0 turns it off
     native_attention: bool  # decoding rows' attention in C; KVRQ_NATIVE_ATTENTION=0 turns it off
+    attention_threads: int = 0  # the C loops' threads, KVRQ_ATTENTION_THREADS; 0: as the work pays
 
     def sized_for(self, tokens: int, scores: int) -> CpuShortcuts:
         """These shortcuts for a step of `tokens` query tokens (before padding) with `scores`
@@ -50,11 +51,17 @@ def cpu_shortcuts() -> CpuShortcuts:
         numpy_exp=on_cpu and _enabled("KVRQ_NUMPY_EXP"),
         pad_rows=on_cpu and _enabled("KVRQ_PAD_ROWS"),
         native_attention=on_cpu and _enabled("KVRQ_NATIVE_ATTENTION"),
+        attention_threads=_count("KVRQ_ATTENTION_THREADS"),
     )
 
 
 def _enabled(variable: str) -> bool:
     return os.environ.get(variable, "1") != "0"
+
+
+def _count(variable: str) -> int:
+    configured = os.environ.get(variable, "")
+    return int(configured) if configured.isdigit() else 0
 
 
 def current() -> CpuShortcuts:

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from engine.cpu_shortcuts import current
+
 if TYPE_CHECKING:
     from engine.attention import AttentionCall
 
@@ -155,12 +157,13 @@ def fits(call: AttentionCall) -> bool:
 
 
 def threads(enough_work: bool) -> int:
-    """Threads for a call: two where there are two cores and enough work for a second thread to
+    """Threads for a call: KVRQ_ATTENTION_THREADS where set (read once a step, engine/
+    cpu_shortcuts.py), else two where there are two cores and enough work for a second thread to
     pay for its start (measured on the 2-core dev machine; more cores would share the same memory
     bandwidth)."""
-    configured = os.environ.get("KVRQ_ATTENTION_THREADS", "")
-    if configured.isdigit() and int(configured) > 0:
-        return int(configured)
+    configured = current().attention_threads
+    if configured > 0:
+        return configured
     return _two_or_fewer_cores() if enough_work else 1
 
 
