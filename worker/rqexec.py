@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from queue import SimpleQueue
 from typing import Any
 
 from redis import Redis
+from redis.client import PubSub, PubSubWorkerThread
+from redis.exceptions import ConnectionError as RedisConnectionError
 from rq.command import parse_payload
 from rq.exceptions import InvalidJobOperation
 from rq.executions import Execution
@@ -45,6 +48,7 @@ from producer.protocol import (
 from worker.job_data import BoundedJob
 
 log = logging.getLogger("kvrq.worker")
+COMMAND_LISTENER_RETRY_S = 2.0  # rq's own pause before its pubsub thread reconnects
 
 
 def default_worker_name() -> str:
@@ -99,6 +103,23 @@ class KvrqWorker(BaseWorker):
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         raise NotImplementedError("kvrq workers run jobs in their engine loop")
+
+    def _pubsub_exception_handler(
+        self, exc: Exception, pubsub: PubSub, pubsub_thread: PubSubWorkerThread
+    ) -> None:
+        """The command listener waits out a lost Redis connection without rq's ERROR line.
+
+        Why: the engine loop already reports an outage (a warning, with backoff), and rq's handler
+        logged an ERROR every 2 s of it, and one at every stop of a whole stack (honcho stops Redis
+        beside the worker) after a clean drain. The retry is rq's: redis-py re-subscribes on reconnect.
+        """
+        if not isinstance(exc, RedisConnectionError):
+            super()._pubsub_exception_handler(exc, pubsub, pubsub_thread)
+            return
+        log.debug(
+            "command listener: Redis unreachable (%s): retrying in %.0f s", exc, COMMAND_LISTENER_RETRY_S
+        )
+        time.sleep(COMMAND_LISTENER_RETRY_S)
 
 
 def start_job(worker: KvrqWorker, job: Job, queue: Queue) -> Execution:

@@ -7,8 +7,11 @@ only module that touches them) and the pin in pyproject together.
 from __future__ import annotations
 
 import inspect
+import logging
 
+import pytest
 import rq
+from redis.exceptions import ConnectionError as RedisConnectionError
 from rq.executions import Execution
 from rq.job_lifecycle import record_job_failure
 from rq.registry import StartedJobRegistry
@@ -17,6 +20,7 @@ from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from tests.producer.fakes import fake_redis
 from tests.worker.harness import Harness
+from worker import rqexec
 
 
 def test_rq_is_the_pinned_minor_version() -> None:
@@ -41,6 +45,27 @@ def test_key_layouts_rqexec_names_through_rq_constants() -> None:
     assert BaseWorker.redis_worker_namespace_prefix == "rq:worker:"
     execution = Execution(id="e1", job_id="j1", connection=fake_redis())
     assert execution.composite_key == "j1:e1"  # StartedJobRegistry members: job_id:execution_id
+
+
+def test_the_command_listener_waits_out_a_lost_redis_without_an_error_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # rq's subscribe() hands its pubsub thread this (overridden) handler
+    assert "exception_handler=self._pubsub_exception_handler" in inspect.getsource(BaseWorker.subscribe)
+    worker = rqexec.KvrqWorker(["kvrq"], connection=fake_redis())
+    pauses: list[float] = []
+    monkeypatch.setattr(rqexec.time, "sleep", pauses.append)
+    with caplog.at_level(logging.DEBUG):
+        worker._pubsub_exception_handler(RedisConnectionError("Connection closed by server."), None, None)  # type: ignore[arg-type]
+    assert pauses == [rqexec.COMMAND_LISTENER_RETRY_S], "it pauses before the thread reconnects, as rq's does"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    with pytest.raises(
+        ValueError
+    ):  # anything else still ends the thread, as in rq (called where it was caught)
+        try:
+            raise ValueError("a bug")
+        except ValueError as exc:
+            worker._pubsub_exception_handler(exc, None, None)  # type: ignore[arg-type]
 
 
 def test_a_started_job_is_one_execution_in_the_started_registry() -> None:

@@ -45,7 +45,7 @@ def with_port(command: str, redis_port: int) -> str:
 
 def check_stack_and_stop(run: ShellCommand, redis_port: int, dashboard_port: int, says: str = "") -> None:
     """Redis answers, a worker of this command registers, the dashboard serves it, the command `says`
-    its line; Ctrl-C stops all."""
+    its line; Ctrl-C stops all, with no ERROR logged."""
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     try:
         run.wait_for(lambda: accepts(redis_port), 30, "Redis did not start")
@@ -70,6 +70,8 @@ def check_stack_and_stop(run: ShellCommand, redis_port: int, dashboard_port: int
     run.ctrl_c()
     assert wait_gone(started) == [], run.log()
     assert not accepts(redis_port) and not accepts(dashboard_port)
+    # A clean stop logs no ERROR (rq's command listener logged one when Redis stopped beside the worker).
+    assert not re.findall(r"^.*\bERROR\b.*$", run.log(), re.M), run.log()
 
 
 def test_readme_kvrq_up_runs_the_stack_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
