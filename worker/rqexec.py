@@ -3,7 +3,8 @@
 rq's own workers run one job at a time in a forked horse; this worker runs them all in one
 engine loop, so it drives rq's execution API itself. Every use of rq internals in kvrq is
 in this module (private calls: `_finalize_success` in `finish_job`, `Queue._enqueue_job`
-nowhere, the registry and execution layouts through rq's own classes); pyproject pins rq
+nowhere; one private override, the pubsub thread's `_pubsub_exception_handler`; the registry
+and execution layouts through rq's own classes); pyproject pins rq
 to 3.0.x and tests/worker/test_rqexec.py fails loudly when the pinned rq changes them.
 """
 
