@@ -66,7 +66,6 @@ DECODE_LAYOUTS = [  # (name, rows, tokens, slotted)
 
 
 def bench_decode(layers: int = 30) -> None:
-
     import mlx.core as mx
 
     from engine import native_attention

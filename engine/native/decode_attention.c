@@ -51,12 +51,7 @@ static void attend_unit(const Work *w, int64_t unit, float *weights, float *sums
         for (int r = 0; r < repeats; r++)
             weights[r * length + t] = dot(queries + r * k_dim, keys + t * k_dim, k_dim) * w->scale;
     float totals[MAX_REPEATS];
-    for (int r = 0; r < repeats; r++) {
-        float *x = weights + r * length;
-        const float top = lane_max(x, length);
-        for (int64_t t = 0; t < length; t++) x[t] = exp_nonpositive(x[t] - top);
-        totals[r] = lane_sum(x, length);
-    }
+    for (int r = 0; r < repeats; r++) totals[r] = softmax_in_place(weights + r * length, length, length);
     memset(sums, 0, sizeof(float) * (size_t)(repeats * v_dim));
     for (int64_t t = 0; t < length; t++) {
         const float *line = values + t * v_dim;

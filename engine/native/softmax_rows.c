@@ -21,31 +21,11 @@ typedef struct {
     int64_t length, queries, first, end; /* rows [first, end) */
 } Rows;
 
-static void softmax_row(float *x, int64_t visible, int64_t length, float *total) {
-    const float top = lane_max(x, visible);
-    float sums[LANES] = {0};
-    int64_t t = 0;
-    for (; t + LANES <= visible; t += LANES)
-        for (int j = 0; j < LANES; j++) {
-            const float e = exp_nonpositive(x[t + j] - top);
-            x[t + j] = e;
-            sums[j] += e;
-        }
-    float sum = 0.0f;
-    for (; t < visible; t++) {
-        x[t] = exp_nonpositive(x[t] - top);
-        sum += x[t];
-    }
-    for (; t < length; t++) x[t] = 0.0f;
-    for (int j = 0; j < LANES; j++) sum += sums[j];
-    *total = sum;
-}
-
 static void *run_rows(void *arg) {
     const Rows *w = arg;
     for (int64_t r = w->first; r < w->end; r++) {
         const int64_t visible = w->length - w->queries + r % w->queries + 1;
-        softmax_row(w->scores + r * w->length, visible, w->length, w->totals + r);
+        w->totals[r] = softmax_in_place(w->scores + r * w->length, visible, w->length);
     }
     return NULL;
 }

@@ -39,15 +39,26 @@ static inline float lane_max(const float *x, int64_t n) {
     return top;
 }
 
-static inline float lane_sum(const float *x, int64_t n) {
-    float lanes[LANES] = {0};
+/* A softmax row in place: its first `visible` scores become exp(score - max) (one pass for
+ * the max, one for exp and sum together), the rest 0; returns their sum. */
+static inline float softmax_in_place(float *x, int64_t visible, int64_t length) {
+    const float top = lane_max(x, visible);
+    float sums[LANES] = {0};
     int64_t t = 0;
-    for (; t + LANES <= n; t += LANES)
-        for (int j = 0; j < LANES; j++) lanes[j] += x[t + j];
-    float total = 0.0f;
-    for (; t < n; t++) total += x[t];
-    for (int j = 0; j < LANES; j++) total += lanes[j];
-    return total;
+    for (; t + LANES <= visible; t += LANES)
+        for (int j = 0; j < LANES; j++) {
+            const float e = exp_nonpositive(x[t + j] - top);
+            x[t + j] = e;
+            sums[j] += e;
+        }
+    float sum = 0.0f;
+    for (; t < visible; t++) {
+        x[t] = exp_nonpositive(x[t] - top);
+        sum += x[t];
+    }
+    for (; t < length; t++) x[t] = 0.0f;
+    for (int j = 0; j < LANES; j++) sum += sums[j];
+    return sum;
 }
 
 #endif
