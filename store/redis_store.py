@@ -14,8 +14,9 @@ WATCH on the manifest key: swaps in the manifest, makes the new blocks permanent
 (or gives them the agent TTL), deletes the blocks only the replaced manifest used,
 and updates index and sizes. If another writer swapped the manifest meanwhile the
 transaction aborts and the put commits again (re-planned only if blocks it reused are
-gone): last writer wins, never a mix. Reads pipeline GETs and receive each value
-straight into the block's buffer (store/resp.py), checksumming blocks as they complete.
+gone), after a random pause, for up to RACE_BUDGET_S: last writer wins, never a mix.
+Reads pipeline GETs and receive each value straight into the block's buffer (store/resp.py),
+checksumming blocks as they complete.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ from store.resp import ScatterPacker, ScatterValue, get_into
 
 DEFAULT_PREFIX = "kvrq:cache:"
 PENDING_TTL_MS = 3_600_000  # an uncommitted block disappears after an hour
-_PUT_ATTEMPTS = 8
+# A put or delete that keeps losing its transaction to other writers of the same agent retries, after a
+# random pause that doubles up to RACE_PAUSE_CAP_S (full jitter: tight-looping writers fall out of step),
+# until RACE_BUDGET_S is spent and at least RACE_MIN_ATTEMPTS were made; then it raises StoreError.
+RACE_BUDGET_S = 10.0
+RACE_MIN_ATTEMPTS = 8
+RACE_PAUSE_CAP_S = 0.05
 SOCKET_CONNECT_TIMEOUT_S = 5.0
 SOCKET_TIMEOUT_S = 60.0  # per socket operation, not per command: large values still fit
 _PIPELINE_BYTES = 64 * 1024 * 1024  # flush a block-writing pipeline every ~64 MB
@@ -246,10 +252,10 @@ class RedisStore(BlockBackend):
         mkey = self._mkey(agent_id)
         plan: WritePlan | None = None
         linked: builtins.list[NewBlock] = []
-        for attempt in range(_PUT_ATTEMPTS):
-            if attempt:
+        attempts = 0
+        for attempts in race_attempts():
+            if attempts > 1:
                 self._stats.add("put_retries")
-                time.sleep(random.uniform(0, 0.002 * attempt))
             with self._client.pipeline(transaction=True) as tx:
                 tx.watch(mkey)
                 current = _as_blob(tx.get(mkey))
@@ -281,7 +287,7 @@ class RedisStore(BlockBackend):
             return True
         if plan is not None:
             self._discard(agent_id, plan)
-        raise StoreError(f"put of agent {agent_id!r} lost {_PUT_ATTEMPTS} races with other writers")
+        raise StoreError(f"put of agent {agent_id!r} lost {attempts} races with other writers")
 
     def _stored_blocks(
         self, agent_id: str, blob: Blob | None
@@ -588,7 +594,7 @@ class RedisStore(BlockBackend):
     def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
         """Delete the agent (if `only_if` is given: only while its manifest holds those bytes)."""
         mkey = self._mkey(handle)
-        for _attempt in range(_PUT_ATTEMPTS):
+        for _attempt in race_attempts():
             with self._client.pipeline(transaction=True) as tx:
                 tx.watch(mkey)
                 blob = _as_blob(tx.get(mkey))
@@ -608,7 +614,7 @@ class RedisStore(BlockBackend):
             if blob is not None and not keys and not shared:
                 self._sweep(handle)  # damaged manifest: find the agent's permanent blocks by pattern
             return blob is not None
-        raise StoreError(f"delete of agent {handle!r} lost {_PUT_ATTEMPTS} races with other writers")
+        raise StoreError(f"delete of agent {handle!r} kept losing races with other writers")
 
     def _sweep(self, agent_id: str) -> None:
         """Delete an agent's committed blocks (no pending expiry) when no manifest can list them."""
@@ -667,6 +673,20 @@ class RedisStore(BlockBackend):
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
+
+
+def race_attempts(budget_s: float | None = None) -> Iterator[int]:
+    """Numbers 1, 2, ... for the attempts of an optimistic (WATCH) transaction, pausing before each
+    retry; ends once the budget is spent and RACE_MIN_ATTEMPTS were made. A budget in time, not in
+    attempts, because how often a writer loses depends on how busy the machine is, not on the writer."""
+    deadline = time.monotonic() + (RACE_BUDGET_S if budget_s is None else budget_s)
+    attempt = 1
+    while True:
+        yield attempt
+        if attempt >= RACE_MIN_ATTEMPTS and time.monotonic() >= deadline:
+            return
+        time.sleep(random.uniform(0, min(RACE_PAUSE_CAP_S, 0.001 * 2**attempt)))
+        attempt += 1
 
 
 def _chunks(refs: Sequence[BlockRef], max_bytes: int) -> Iterator[Sequence[BlockRef]]:

@@ -1,0 +1,110 @@
+"""A RedisStore put that loses its WATCH transaction to another writer retries on a time budget.
+
+The rival is a second store on the same server that commits a put of the same agent between
+our WATCH and EXEC, as a busy machine lets a tight-looping writer do over and over (CI saw one
+writer lose 8 races in a row to another).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import fakeredis
+import pytest
+
+from store import redis_store
+from store.errors import StoreError
+from store.manifest import Manifest
+from store.redis_store import RedisStore, race_attempts
+from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
+
+AGENT = "contested"
+PREFIX = "race:"
+
+
+@pytest.fixture(params=["redis-server", "fakeredis"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[RedisStore, RedisStore]]:
+    """Our store and a rival writer on the same server."""
+    if request.param == "fakeredis":
+        server = fakeredis.FakeServer()
+        stores = [RedisStore(fakeredis.FakeRedis(server=server), tiny_spec(), prefix=PREFIX) for _ in (1, 2)]
+    else:
+        url = request.getfixturevalue("redis_url")
+        stores = [RedisStore(url, tiny_spec(), prefix=PREFIX) for _ in (1, 2)]
+    yield stores[0], stores[1]
+    for store in stores:
+        store.close()
+
+
+def _rival_commits_first(
+    store: RedisStore, rival: RedisStore, monkeypatch: pytest.MonkeyPatch, times: int | None
+) -> Callable[[], int]:
+    """Make the rival put (a new cache each time) inside our next `times` attempts (None: every one);
+    returns a count of the rival's puts."""
+    original = store._watch_shared
+    puts = 0
+
+    def rival_put_then_check(tx: object, agent_id: str, manifest: Manifest) -> bool:
+        nonlocal puts
+        if times is None or puts < times:
+            puts += 1
+            assert rival.put(AGENT, make_cache(rival.spec, tokens(20 + puts, seed=puts)))
+        return original(tx, agent_id, manifest)
+
+    monkeypatch.setattr(store, "_watch_shared", rival_put_then_check)
+    return lambda: puts
+
+
+@pytest.mark.integration
+def test_a_put_outlasts_more_lost_races_than_its_minimum_attempts(
+    pair: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, rival = pair
+    lost = redis_store.RACE_MIN_ATTEMPTS + 4
+    rival_puts = _rival_commits_first(store, rival, monkeypatch, lost)
+    mine = make_cache(store.spec, tokens(90, seed=99))
+    assert store.put(AGENT, mine)
+    assert rival_puts() == lost
+    assert store.stats()["put_retries"] == lost
+    assert_same_cache(rival.get(AGENT), mine)  # ours committed last: it is what every reader sees
+
+
+@pytest.mark.integration
+def test_a_put_that_loses_every_race_fails_after_its_budget_and_leaves_no_blocks(
+    pair: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, rival = pair
+    monkeypatch.setattr(redis_store, "RACE_BUDGET_S", 0.2)
+    rival_puts = _rival_commits_first(store, rival, monkeypatch, None)
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=r"put of agent 'contested' lost \d+ races with other writers"):
+        store.put(AGENT, make_cache(store.spec, tokens(90, seed=99)))
+    assert time.monotonic() - started >= 0.2
+    assert rival_puts() >= redis_store.RACE_MIN_ATTEMPTS
+    manifest = rival.read_manifest(AGENT)
+    assert manifest is not None
+    stored = redis_value_keys(rival._client, PREFIX)
+    assert stored == set(rival._ref_keys(AGENT, manifest.blocks, manifest.part_bytes))  # ours were removed
+
+
+def test_race_attempts_make_the_minimum_even_with_no_budget_then_stop() -> None:
+    assert list(race_attempts(0.0)) == list(range(1, redis_store.RACE_MIN_ATTEMPTS + 1))
+
+
+def test_race_attempts_go_on_past_the_minimum_until_the_budget_is_spent() -> None:
+    started = time.monotonic()
+    attempts = list(race_attempts(0.5))
+    assert time.monotonic() - started >= 0.5
+    assert len(attempts) > redis_store.RACE_MIN_ATTEMPTS
+    assert attempts == list(range(1, len(attempts) + 1))
+
+
+def test_race_attempt_pauses_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(redis_store.time, "sleep", pauses.append)
+    attempts = race_attempts(0.0)
+    for _ in range(redis_store.RACE_MIN_ATTEMPTS):
+        next(attempts)
+    assert len(pauses) == redis_store.RACE_MIN_ATTEMPTS - 1
+    assert all(0 <= p <= redis_store.RACE_PAUSE_CAP_S for p in pauses)
