@@ -12,6 +12,7 @@ import builtins
 import dataclasses
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,8 +71,11 @@ class Usage:
 
     handle: str  # what `_remove` takes (a directory key on disk, the agent id in Redis)
     agent_id: str | None  # None when the manifest is too damaged to name its agent
-    nbytes: int
+    nbytes: int  # its own: the manifest and the blocks no other agent can use
     last_used: float
+    # (name, bytes) of the shared blocks it uses: counted once however many agents use them,
+    # freed with their last user.
+    shared: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -414,8 +418,9 @@ class BlockBackend(ABC):
         )
         return WritePlan(draft, slots)
 
-    def _count_put(self, plan: WritePlan, manifest_bytes: int, linked: Sequence[NewBlock] = ()) -> None:
-        """Count a put; `linked`: new blocks not written because another agent had stored the same bytes."""
+    def _count_put(self, plan: WritePlan, manifest_bytes: int, linked: Sequence[NewBlock] = ()) -> int:
+        """Count a put; `linked`: new blocks not written because another agent had stored the same bytes.
+        Returns the bytes it wrote: what the store can have grown by at most."""
         saved = sum(b.encoded.nbytes for b in linked)
         self._stats.add("puts")
         self._stats.add("blocks_written", len(plan.new_blocks) - len(linked))
@@ -424,6 +429,7 @@ class BlockBackend(ABC):
         written = sum(b.encoded.nbytes for b in plan.new_blocks) - saved
         self._stats.add("bytes_written", manifest_bytes + written)
         self._stats.add("bytes_saved", saved)
+        return manifest_bytes + written
 
     # --- budgets -------------------------------------------------------------------------------
     @abstractmethod
@@ -448,26 +454,30 @@ class BlockBackend(ABC):
         if self.max_bytes is None:
             return 0
         entries = sorted(self._usage(), key=lambda entry: entry.last_used)
-        total = sum(entry.nbytes for entry in entries)
+        users = Counter(name for entry in entries for name, _ in entry.shared)
+        shared_bytes = {name: nbytes for entry in entries for name, nbytes in entry.shared}
+        total = sum(entry.nbytes for entry in entries) + sum(shared_bytes.values())
         evicted = 0
         for entry in entries:
             if total <= self.max_bytes:
                 break
             if entry.handle == keep:
                 continue
+            users.subtract(name for name, _ in entry.shared)
+            freed = entry.nbytes + sum(nbytes for name, nbytes in entry.shared if users[name] == 0)
             if self._remove(entry.handle):
                 evicted += 1
                 self._stats.add("evictions")
-                self._stats.add("evicted_bytes", entry.nbytes)
+                self._stats.add("evicted_bytes", freed)
                 log.info(
                     "%s: evicted agent %r (%d bytes, last used %.0f s ago) to stay under %d bytes",
                     self.kind,
                     entry.agent_id,
-                    entry.nbytes,
+                    freed,
                     time.time() - entry.last_used,
                     self.max_bytes,
                 )
-            total -= entry.nbytes
+            total -= freed
         self._estimated_bytes = total
         self._last_scan = time.monotonic()
         return evicted

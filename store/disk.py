@@ -200,8 +200,7 @@ class DiskStore(BlockBackend):
             manifest_blob = encode_manifest(manifest)
             _write_atomic(directory / MANIFEST, [manifest_blob], fsync=self.fsync)
             self._collect_garbage(directory, blocks_dir, manifest)
-        self._count_put(plan, len(manifest_blob), linked)
-        self._after_put(key, manifest.block_bytes + len(manifest_blob))
+        self._after_put(key, self._count_put(plan, len(manifest_blob), linked))
         return True
 
     def _previous(self, agent_id: str, blob: Blob | None, blocks_dir: Path) -> Manifest | None:
@@ -436,7 +435,9 @@ class DiskStore(BlockBackend):
                 continue
             try:
                 summary = summarize_manifest(blob)
-                usage.append(Usage(key, summary.agent_id, summary.block_bytes + len(blob), last_used))
+                shared = tuple((name, n) for name, n in summary.blocks if parse_shared_name(name))
+                own = summary.block_bytes - sum(n for _, n in shared)
+                usage.append(Usage(key, summary.agent_id, own + len(blob), last_used, shared))
             except BadCacheError:
                 # A damaged cache still takes space: count what its directory holds.
                 usage.append(Usage(key, None, _tree_bytes(path.parent), last_used))

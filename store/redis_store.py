@@ -6,7 +6,8 @@ Keys, all under one prefix (default `kvrq:cache:`), `<key>` a hash of the agent 
     <prefix><key>:b:<name>       one block (safetensors), or its first 4 MB when it is larger:
     <prefix><key>:b:<name>:<i>   the block's next 4 MB ranges (i = 1, 2, ...)
     <prefix>index                sorted set: agent id -> last used (unix time)
-    <prefix>sizes                hash: agent id -> bytes stored
+    <prefix>sizes                hash: agent id -> bytes of its own (manifest, blocks no other agent uses)
+    <prefix>links                hash: agent id -> the shared blocks it uses, "<name>:<bytes>,..."
 
 A put writes its new blocks first (pipelined, each with a provisional expiry so a
 crashed writer leaves nothing behind for long), then in one MULTI/EXEC guarded by
@@ -126,6 +127,7 @@ class RedisStore(BlockBackend):
             self._owns_client = False
         self._index = f"{prefix}index"
         self._sizes = f"{prefix}sizes"
+        self._links = f"{prefix}links"
         self._scripting: bool | None = None  # whether the server runs Lua (fakeredis without lupa does not)
 
     # --- keys ----------------------------------------------------------------------------------
@@ -282,8 +284,7 @@ class RedisStore(BlockBackend):
                 except WatchError:
                     continue
             self._collect_shared(released)
-            self._count_put(plan, len(manifest_blob), linked)
-            self._after_put(agent_id, manifest.block_bytes + len(manifest_blob))
+            self._after_put(agent_id, self._count_put(plan, len(manifest_blob), linked))
             return True
         if plan is not None:
             self._discard(agent_id, plan)
@@ -443,7 +444,15 @@ class RedisStore(BlockBackend):
         names = {ref.name for ref in shared}
         released = [(ref, old_part_bytes) for ref in old_shared if ref.name not in names]
         tx.zadd(self._index, {agent_id: time.time()})
-        tx.hset(self._sizes, agent_id, manifest.block_bytes + len(manifest_blob))
+        tx.hset(
+            self._sizes,
+            agent_id,
+            manifest.block_bytes - sum(ref.nbytes for ref in shared) + len(manifest_blob),
+        )
+        if shared:
+            tx.hset(self._links, agent_id, ",".join(f"{ref.name}:{ref.nbytes}" for ref in shared))
+        else:
+            tx.hdel(self._links, agent_id)
         return self._release_in(tx, agent_id, released, scripted)
 
     def _release_in(
@@ -606,6 +615,7 @@ class RedisStore(BlockBackend):
                 tx.unlink(mkey, *keys)
                 tx.zrem(self._index, handle)
                 tx.hdel(self._sizes, handle)
+                tx.hdel(self._links, handle)
                 try:
                     to_collect = self._release_in(tx, handle, [(ref, part_bytes) for ref in shared], scripted)
                 except WatchError:
@@ -656,23 +666,37 @@ class RedisStore(BlockBackend):
         for agent_id in ids:
             pipe.exists(self._mkey(agent_id))
         pipe.hmget(self._sizes, ids)
-        *exists, sizes = pipe.execute()
+        pipe.hmget(self._links, ids)
+        *exists, sizes, links = pipe.execute()
         usage, gone = [], []
-        for agent_id, (_member, score), present, size in zip(ids, members, exists, sizes, strict=True):
+        for agent_id, (_member, score), present, size, linked in zip(
+            ids, members, exists, sizes, links, strict=True
+        ):
             if present:
-                usage.append(Usage(agent_id, agent_id, int(size or 0), float(score)))
+                usage.append(Usage(agent_id, agent_id, int(size or 0), float(score), _parse_links(linked)))
             else:
                 gone.append(agent_id)
         if gone:
             pipe = self._client.pipeline(transaction=False)
             pipe.zrem(self._index, *gone)
             pipe.hdel(self._sizes, *gone)
+            pipe.hdel(self._links, *gone)
             pipe.execute()
         return usage
 
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
+
+
+def _parse_links(value: bytes | str | None) -> tuple[tuple[str, int], ...]:
+    """A `links` entry: the (name, bytes) of the shared blocks an agent uses (none for a store
+    written before links were kept, whose `sizes` then counted them as its own)."""
+    if not value:
+        return ()
+    text = value.decode() if isinstance(value, bytes) else value
+    pairs = (item.rpartition(":") for item in text.split(","))
+    return tuple((name, int(nbytes)) for name, _, nbytes in pairs)
 
 
 def race_attempts(budget_s: float | None = None) -> Iterator[int]:

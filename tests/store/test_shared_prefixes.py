@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,13 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
     """Opens backends of one kind over one shared storage (one directory, one Redis)."""
     made: list[BlockBackend] = []
 
-    def open_one(namespace: str = "default") -> BlockBackend:
+    def open_one(namespace: str = "default", **options: Any) -> BlockBackend:
         store: BlockBackend
         if request.param == "disk":
-            store = DiskStore(tmp_path / "store", tiny_spec(), namespace=namespace)
+            store = DiskStore(tmp_path / "store", tiny_spec(), namespace=namespace, **options)
         else:
-            store = RedisStore(request.getfixturevalue("redis_url"), tiny_spec(), namespace=namespace)
+            url = request.getfixturevalue("redis_url")
+            store = RedisStore(url, tiny_spec(), namespace=namespace, **options)
         made.append(store)
         return store
 
@@ -135,6 +137,34 @@ def test_shared_blocks_live_while_an_agent_uses_them(opener: Opener) -> None:
     assert store.delete("agent-2")
     assert _shared_storage(store) == set()
     assert _stored_values(store) == 0
+
+
+def test_a_budget_counts_a_shared_prefix_once(opener: Opener) -> None:
+    writer = opener()
+    agents = [f"agent-{i}" for i in range(5)]
+    for i, agent in enumerate(agents):
+        writer.put(agent, make_cache(writer.spec, PREFIX + tokens(10, seed=i)))
+        time.sleep(0.01)  # agent-0 is the least recently used
+    manifest = writer.read_manifest("agent-0")
+    assert manifest is not None
+    prefix_bytes = sum(ref.nbytes for ref in manifest.blocks[:4])
+    own = {agent: info.nbytes - prefix_bytes for agent in agents if (info := writer.info(agent))}
+    held = prefix_bytes + sum(own.values())  # what the storage holds: the prefix once
+    assert opener(max_bytes=held).enforce_budget() == 0  # counted per agent, it looked 4 prefixes over
+
+    budgeted = opener(max_bytes=held - 1)
+    assert budgeted.enforce_budget() == 1
+    assert budgeted.list() == agents[1:]
+    assert budgeted.stats()["evicted_bytes"] == own["agent-0"]  # the prefix stays: others use it
+
+    last = opener(max_bytes=prefix_bytes + own["agent-4"])
+    assert last.enforce_budget() == 3
+    assert last.list() == ["agent-4"]
+    assert_same_cache(last.get("agent-4"), make_cache(last.spec, PREFIX + tokens(10, seed=4)))
+    alone = opener(max_bytes=own["agent-4"])  # even the prefix's last user goes now (nothing to keep)
+    assert alone.enforce_budget() == 1
+    assert alone.stats()["evicted_bytes"] == own["agent-4"] + prefix_bytes
+    assert _stored_values(alone) == 0
 
 
 def test_a_damaged_shared_block_is_a_miss_for_its_users(opener: Opener) -> None:
