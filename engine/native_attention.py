@@ -51,9 +51,13 @@ log = logging.getLogger(__name__)
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "decode_attention.c", NATIVE / "softmax_rows.c")
 HEADERS = (NATIVE / "vector_math.h",)
+LANES = 8  # the C loops' vector width: head dims must be multiples of it
+MAX_REPEATS = 64  # query heads per KV head the C loop holds
 # -fno-math-errno -fno-trapping-math change no value; without them gcc leaves the softmax's
 # exp and max loops scalar (3x slower than numpy instead of 3x faster).
 FLAGS = (
+    f"-DKVRQ_LANES={LANES}",  # the C code takes its limits from here: one place states them
+    f"-DKVRQ_MAX_REPEATS={MAX_REPEATS}",
     "-O3",
     "-march=native",
     "-std=c11",
@@ -63,8 +67,6 @@ FLAGS = (
     "-fPIC",
     "-pthread",
 )
-LANES = 8  # the C loop's vector width: head dims must be multiples of it
-MAX_REPEATS = 64  # query heads per KV head the C loop holds
 # Below this many K/V lines in a layer, a second thread costs more than it saves.
 THREAD_MIN_LINES = 2048
 # Below this many scores in a layer, the softmax stays on one thread.

@@ -17,7 +17,11 @@
 
 #include "vector_math.h"
 
-#define MAX_REPEATS 64 /* query heads per KV head; checked by the caller */
+/* Query heads per KV head, set by engine/native_attention.py; checked by the caller too. */
+#ifndef KVRQ_MAX_REPEATS
+#error "KVRQ_MAX_REPEATS is not set: engine/native_attention.py builds this code"
+#endif
+#define MAX_REPEATS KVRQ_MAX_REPEATS
 
 static inline float dot(const float *a, const float *b, int dim) {
     float lanes[LANES] = {0};

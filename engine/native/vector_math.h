@@ -6,7 +6,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 8 /* the loops' vector width: key dims are multiples of it */
+/* The loops' vector width (key dims are multiples of it), set by engine/native_attention.py. */
+#ifndef KVRQ_LANES
+#error "KVRQ_LANES is not set: engine/native_attention.py builds this code"
+#endif
+#define LANES KVRQ_LANES
 
 /* exp(x) for x <= 0 (scores less their maximum): Cody-Waite range reduction and the
  * classic single-precision polynomial (Cephes' expf), written so that it vectorizes. */
