@@ -13,7 +13,7 @@ A put writes its new blocks first (pipelined, each with a provisional expiry so 
 crashed writer leaves nothing behind for long), then in one MULTI/EXEC guarded by
 WATCH on the manifest key: swaps in the manifest, makes the new blocks permanent
 (or gives them the agent TTL), deletes the blocks only the replaced manifest used,
-and updates index and sizes. If another writer swapped the manifest meanwhile the
+and updates index, sizes and links. If another writer swapped the manifest meanwhile the
 transaction aborts and the put commits again (re-planned only if blocks it reused are
 gone), after a random pause, for up to RACE_BUDGET_S: last writer wins, never a mix.
 Reads pipeline GETs and receive each value straight into the block's buffer (store/resp.py),
