@@ -59,9 +59,8 @@ def test_the_command_listener_waits_out_a_lost_redis_without_an_error_line(
         worker._pubsub_exception_handler(RedisConnectionError("Connection closed by server."), None, None)  # type: ignore[arg-type]
     assert pauses == [rqexec.COMMAND_LISTENER_RETRY_S], "it pauses before the thread reconnects, as rq's does"
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-    with pytest.raises(
-        ValueError
-    ):  # anything else still ends the thread, as in rq (called where it was caught)
+    # Anything else still ends the thread, as in rq (the handler is called where it was caught).
+    with pytest.raises(ValueError):
         try:
             raise ValueError("a bug")
         except ValueError as exc:
