@@ -68,7 +68,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.fastpath import blas_preload_env, ensure_fast_blas  # noqa: E402
+from engine.cpu.blas import blas_preload_env, ensure_fast_blas  # noqa: E402
 
 Message = dict[str, str]
 
@@ -234,9 +234,9 @@ def export_model(folder: Path, check_messages: list[Message], max_tokens: int) -
     from mlx.utils import tree_flatten
     from mlx_lm import generate, load
 
-    from engine.engine import BlockPoolBatchEngine
-    from engine.model import BUILTIN_MODEL, load_model
-    from engine.params import SamplingParams
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.core.params import SamplingParams
+    from engine.models.load import BUILTIN_MODEL, load_model
 
     model, tokenizer = load_model(BUILTIN_MODEL)
     folder.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ long history, 16 slotted short rows): medians (ms), fused / numpy and numpy / C.
 
 `--only decode`: a layer of decoding rows with their own K/V (12 rows of 760, 1500 and 4000
 tokens; 16 slotted rows of 300), 30 layers' worth of buffers cycled so that K/V come from memory
-as in a real step: MLX's split path vs the C loop (engine/native_attention.py) on 1 and 2
+as in a real step: MLX's split path vs the C loop (engine/cpu/native_attention.py) on 1 and 2
 threads, ms a layer and the ratio.
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_engine import ms, timed  # noqa: E402
 
-from engine.fastpath import ensure_fast_blas  # noqa: E402
+from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 SHAPES = [  # (name, batch, queries, keys, keep-mask lengths or None)
     ("17-token suffix over 1K", 1, 17, 1024, None),
@@ -68,9 +68,9 @@ DECODE_LAYOUTS = [  # (name, rows, tokens, slotted)
 def bench_decode(layers: int = 30) -> None:
     import mlx.core as mx
 
-    from engine import native_attention
-    from engine.attention import AttentionCall, attend
-    from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
+    from engine.batch.attention import AttentionCall, attend
+    from engine.cpu import native_attention
+    from engine.cpu.shortcuts import cpu_shortcuts, in_ragged_step
 
     print(
         "| decoding rows | MLX split ms/layer | C, 1 thread | C, 2 threads | MLX / C, 2 threads | max diff |"
@@ -123,8 +123,8 @@ def bench_split() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from engine.attention import AttentionCall, attend
-    from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
+    from engine.batch.attention import AttentionCall, attend
+    from engine.cpu.shortcuts import cpu_shortcuts, in_ragged_step
 
     print("| shape | fused ms | numpy softmax ms | C ms | fused / numpy | numpy / C | max abs difference |")
     print("|---|---|---|---|---|---|---|")

@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.fastpath import ensure_fast_blas, openblas_loaded  # noqa: E402
+from engine.cpu.blas import ensure_fast_blas, openblas_loaded  # noqa: E402
 
 TOPICS = [
     "the capital of France",
@@ -127,7 +127,7 @@ def main() -> int:
     count = args.lines or (48 if args.quick else 200)
     rounds = args.rounds or (1 if args.quick else 2)
 
-    from engine.model import load_model
+    from engine.models.load import load_model
     from producer.models import GenerationRequest
     from worker.cli.spawn import redis_server, worker_process
     from worker.prompts import prompt_tokens

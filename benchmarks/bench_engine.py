@@ -17,8 +17,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fastpath import ensure_fast_blas  # noqa: E402
-from engine.params import SamplingParams
+from engine.core.params import SamplingParams
+from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine.json"
 
@@ -45,11 +45,12 @@ def bench_blocks(repeat: int) -> list[dict[str, Any]]:
     import numpy as np
     from mlx_lm.models.cache import KVCache
 
-    from engine.blocks import AgentCache
-    from engine.host_slab import BlockSlab
-    from engine.kv_arena import KVArena
-    from engine.kv_convert import blocks_to_caches, caches_to_blocks, keep_buffers_resident
-    from engine.spec import LayerSpec, ModelCacheSpec
+    from engine.core.blocks import AgentCache
+    from engine.core.spec import LayerSpec, ModelCacheSpec
+    from engine.kv.arena import KVArena
+    from engine.kv.buffers import keep_buffers_resident
+    from engine.kv.convert import blocks_to_caches, caches_to_blocks
+    from engine.kv.host_slab import BlockSlab
 
     keep_buffers_resident(2 << 30)  # as the engine does for its pool
     rows = []
@@ -117,7 +118,7 @@ def ms(seconds: float) -> float:
 
 
 def bench_pool() -> dict[str, float]:
-    from engine.blocks import BlockPool
+    from engine.core.blocks import BlockPool
 
     pool = BlockPool(4096)
     alloc, free = [], []
@@ -141,8 +142,8 @@ def bench_pool() -> dict[str, float]:
 def bench_throughput(concurrency: list[int], max_tokens: int) -> list[dict[str, Any]]:
     from mlx_lm.generate import BatchGenerator
 
-    from engine.engine import BlockPoolBatchEngine
-    from engine.model import load_model
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.models.load import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     topics = ["the sea", "a mountain", "coffee", "a robot", "winter", "a library", "trains", "the moon"]
@@ -232,7 +233,7 @@ def synthetic_cache(spec: Any, n_tokens: int, seed: int) -> Any:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from engine.kv_convert import caches_to_blocks
+    from engine.kv.convert import caches_to_blocks
 
     mx.random.seed(seed)
     layers = []
@@ -266,7 +267,7 @@ def bench_joins(joins: list[tuple[int, ...]], n_short: int, window: int) -> list
     without the joiners (before they join and after they are removed), the median step
     with them, and how many steps / how long until each joiner's first token (also in units
     of the median step without them)."""
-    from engine.model import load_model
+    from engine.models.load import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     no_eos = _NoEos(tokenizer)
@@ -338,7 +339,7 @@ def solo_first_token_s(
 ) -> float:
     """Seconds from submit to the first token of `caches` (+ `suffix`) on an engine running nothing else,
     median of 3 (the first, which pays fresh buffers, is dropped)."""
-    from engine.engine import BlockPoolBatchEngine
+    from engine.batch.engine import BlockPoolBatchEngine
 
     engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", pool_mb=6000)
     times = []
@@ -365,7 +366,7 @@ class _EngineDriver:
         params: Any,
         join_params: Any,
     ) -> None:
-        from engine.engine import BlockPoolBatchEngine
+        from engine.batch.engine import BlockPoolBatchEngine
 
         self.engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", pool_mb=6000)
         self.suffix, self.join_params = suffix, join_params
@@ -409,7 +410,7 @@ class _RawDriver:
         return {r.uid for r in responses}
 
     def join(self, cache: Any) -> int:
-        from engine.kv_convert import blocks_to_caches
+        from engine.kv.convert import blocks_to_caches
 
         layers = blocks_to_caches(cache, cache.n_tokens)
         (uid,) = self.generator.insert(
@@ -425,7 +426,7 @@ class _RawDriver:
 
 
 def synthetic_cache_for(model: Any, n_tokens: int, seed: int) -> Any:
-    from engine.spec import spec_from_model
+    from engine.core.spec import spec_from_model
 
     return synthetic_cache(spec_from_model(model, "smollm2-135m"), n_tokens, seed)
 
@@ -439,8 +440,8 @@ def bench_finish_burst(n_rows: int, n_tokens: int, max_tokens: int, n_running: i
     (a worker's steady state once its store has written and dropped earlier caches)."""
     import numpy as np
 
-    from engine.engine import BlockPoolBatchEngine
-    from engine.model import load_model
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.models.load import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     cache = synthetic_cache_for(model, n_tokens, 0)
@@ -509,15 +510,15 @@ def submit_warm_rows(engine: Any, base: list[int], n: int, max_tokens: int) -> l
 
 
 def bench_rows(row_counts: list[int], steps: int) -> list[dict[str, Any]]:
-    """engine/gemm_rows.py's evidence: an MLP matmul of SmolLM2 at each row count, and whole
+    """engine/cpu/gemm_rows.py's evidence: an MLP matmul of SmolLM2 at each row count, and whole
     decode steps of that many warm rows, padded and not, alternating in one engine."""
     import os
 
     import mlx.core as mx
 
-    from engine.engine import BlockPoolBatchEngine
-    from engine.gemm_rows import padded_rows
-    from engine.model import load_model
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.cpu.gemm_rows import padded_rows
+    from engine.models.load import load_model
 
     model, tokenizer = load_model()
     gate = model.model.layers[0].mlp.gate_proj.weight  # (1536, 576)

@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.fastpath import ensure_fast_blas  # noqa: E402
+from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 TOPICS = ["a lighthouse", "a bakery", "a mountain hut", "a river ferry", "a small library", "an orchard"]
 QUESTIONS = [

@@ -25,8 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fastpath import ensure_fast_blas  # noqa: E402
-from engine.params import SamplingParams
+from engine.core.params import SamplingParams
+from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "store.json"
 FLOOR_SPEEDUP = {512: 27, 1024: 59, 2048: 124}  # raw mlx-lm warm resume, docs/platform.md
@@ -63,7 +63,7 @@ def paired(
 
 def smollm2_spec() -> Any:
     """SmolLM2-135M's cache layout as the engine reads it from the model (float32 on the CPU)."""
-    from engine.spec import LayerSpec, ModelCacheSpec
+    from engine.core.spec import LayerSpec, ModelCacheSpec
 
     return ModelCacheSpec("smollm2-135m", 30, (LayerSpec("full"),) * 30, 3, 64, 64, "float32")
 
@@ -71,7 +71,7 @@ def smollm2_spec() -> Any:
 def random_cache(spec: Any, n_tokens: int, seed: int = 0) -> Any:
     import numpy as np
 
-    from engine.blocks import AgentCache, KVBlock
+    from engine.core.blocks import AgentCache, KVBlock
 
     rng = np.random.default_rng(seed)
     blocks = []
@@ -93,7 +93,7 @@ def fresh_tokens(cache: Any, seed: int) -> Any:
     (with the same tokens, the store would link the blocks an earlier put stored: shared prefixes)."""
     import numpy as np
 
-    from engine.blocks import AgentCache
+    from engine.core.blocks import AgentCache
 
     token_ids = [int(t) for t in np.random.default_rng(10_000 + seed).integers(0, 49152, size=cache.n_tokens)]
     return AgentCache(cache.spec, token_ids, cache.blocks)
@@ -236,7 +236,7 @@ def bench_shared(prefix_tokens: int, agents: int, url: str, root: Path) -> list[
     own) against an agent's get of its own cache of the same length."""
     import numpy as np
 
-    from engine.blocks import AgentCache
+    from engine.core.blocks import AgentCache
     from store.disk import DiskStore
     from store.redis_store import RedisStore
 
@@ -292,8 +292,8 @@ def bench_shared(prefix_tokens: int, agents: int, url: str, root: Path) -> list[
 
 # --- the builtin model: warm resume and quantization -----------------------------------------------
 def load_engine() -> Any:
-    from engine.engine import BlockPoolBatchEngine
-    from engine.model import load_model
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.models.load import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     return BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", pool_mb=4096, max_batch=4)
@@ -346,7 +346,7 @@ def bench_resume_direct(engine: Any, contexts: list[int], repeat: int, root: Pat
     warm = store get (disk: read, CRC, decode) + rebuild mlx-lm KVCaches + one forward step."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.kv_convert import blocks_to_caches
+    from engine.kv.convert import blocks_to_caches
     from store.disk import DiskStore
 
     model = engine.model

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.fastpath import ensure_fast_blas, openblas_loaded  # noqa: E402
+from engine.cpu.blas import ensure_fast_blas, openblas_loaded  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -300,7 +300,7 @@ def main() -> int:
     warm_repeats = 1 if args.quick else 3
     rounds = 1 if args.quick else 3
 
-    from engine.model import load_model
+    from engine.models.load import load_model
     from producer.client import Producer
     from producer.models import GenerationRequest
     from worker.cli.spawn import redis_server, worker_process

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.blocks import AgentCache
-from engine.spec import ModelCacheSpec
+from engine.core.blocks import AgentCache
+from engine.core.spec import ModelCacheSpec
 from store import layered_codec, quant
 from store.agent_ids import validate_agent_id
 from store.base import BACKEND_COUNTERS, CacheInfo, Stats, log, note_miss, record_miss, shared_prefix

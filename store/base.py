@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from engine.blocks import AgentCache
+from engine.core.blocks import AgentCache
 from store.errors import ABSENT, MISS_REASONS, NO_COMMON_PREFIX
 
 log = logging.getLogger("kvrq.store")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.blocks import KVBlock
-from engine.spec import ModelCacheSpec
+from engine.core.blocks import KVBlock
+from engine.core.spec import ModelCacheSpec
 from store import layered_codec, quant
 from store.checksum import crc32
 from store.errors import BAD_BLOCK, CHECKSUM, TRUNCATED, BadCacheError

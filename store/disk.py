@@ -29,8 +29,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from engine.blocks import AgentCache
-from engine.spec import ModelCacheSpec
+from engine.core.blocks import AgentCache
+from engine.core.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
 from store.backend import DEFAULT_NAMESPACE, Blob, BlockBackend, NewBlock, Usage, check_fence
 from store.base import CacheInfo, log

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from engine.spec import ModelCacheSpec
+from engine.core.spec import ModelCacheSpec
 from store.backend import DEFAULT_NAMESPACE, BlockBackend
 from store.disk import DiskStore
 from store.hot import HotTierStore

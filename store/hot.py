@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.blocks import AgentCache
+from engine.core.blocks import AgentCache
 from store.agent_ids import validate_agent_id
 from store.backend import BlockBackend, check_fence
 from store.base import CacheInfo, Stats, log, shared_prefix

@@ -1,6 +1,6 @@
 """Block blobs of models whose layers are not all plain full attention (docs/store-format.md).
 
-store/block_codec.py hands such specs (engine/spec.py: sliding windows, per-layer shapes,
+store/block_codec.py hands such specs (engine/core/spec.py: sliding windows, per-layer shapes,
 SSM / linear-attention state) to this module. One blob per block, as for plain models:
 - `L{i}.k` / `L{i}.v` for KV layer i (spec.kv_layers() order), shape (heads, held, dim),
   where `held` is the block's token count for full attention and the tokens of the block
@@ -9,7 +9,7 @@ SSM / linear-attention state) to this module. One blob per block, as for plain m
   quantized on its own); a layer holding no token is stored as empty raw tensors;
 - `S{j}.{a}` for array a of state layer j, in that array's own dtype, never quantized (a
   checkpoint: the state after the block's last token), present only in blocks that carry one.
-Metadata is the plain block's plus `layout` (engine.blocks.KVBlock.layout), which must agree
+Metadata is the plain block's plus `layout` (engine.core.blocks.KVBlock.layout), which must agree
 with the tensors found.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from engine.blocks import KVBlock
-from engine.spec import KVLayer, ModelCacheSpec
+from engine.core.blocks import KVBlock
+from engine.core.spec import KVLayer, ModelCacheSpec
 from store import quant
 from store.errors import BAD_BLOCK, BadCacheError
 from store.stfile import TensorEntry, view

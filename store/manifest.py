@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.spec import ModelCacheSpec
+from engine.core.spec import ModelCacheSpec
 from store.errors import AGENT_MISMATCH, BAD_MANIFEST, FORMAT_VERSION, SPEC_MISMATCH, BadCacheError
 from store.stfile import SafetensorsError, TensorEntry, encode, parse_header, view
 
@@ -93,7 +93,7 @@ def chain_keys(
     layouts: Sequence[str] = (),
 ) -> list[str]:
     """One reuse key per block: equal keys mean equal tokens from position 0 to the block's end
-    and, where a block's layout is not '' (engine.blocks.KVBlock.layout: a sliding window's part,
+    and, where a block's layout is not '' (engine.core.blocks.KVBlock.layout: a sliding window's part,
     a checkpoint), the same layout."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     digest = hashlib.sha256(f"{spec_fingerprint(spec)}|{quantization}|{group_size}|".encode())

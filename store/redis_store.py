@@ -36,8 +36,8 @@ import numpy as np
 import redis
 from redis.exceptions import DataError, RedisError, ResponseError, WatchError
 
-from engine.blocks import AgentCache
-from engine.spec import ModelCacheSpec
+from engine.core.blocks import AgentCache
+from engine.core.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
 from store.backend import DEFAULT_NAMESPACE, Blob, BlockBackend, NewBlock, Usage, WritePlan, check_fence
 from store.base import CacheInfo, log

@@ -18,7 +18,7 @@ REDIS_SERVER_HINT = "apt-get install redis-server; macOS: brew install redis"
 
 def pytest_configure(config: pytest.Config) -> None:
     """Rerun pytest with OpenBLAS preloaded on Linux (10x faster model tests), once, before any test."""
-    from engine.fastpath import blas_preload_env, ensure_fast_blas
+    from engine.cpu.blas import blas_preload_env, ensure_fast_blas
 
     if blas_preload_env().get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
         capture = config.pluginmanager.getplugin("capturemanager")
@@ -162,6 +162,6 @@ def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def smollm2() -> tuple[object, object]:
     """The real builtin model (float32 on CPU), loaded once per session."""
-    from engine.model import load_model
+    from engine.models.load import load_model
 
     return load_model("smollm2-135m")

@@ -11,11 +11,11 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
 
-from engine.params import SamplingParams
+from engine.core.params import SamplingParams
 from producer.models import GenerationRequest
 
 if TYPE_CHECKING:
-    from engine.blocks import AgentCache
+    from engine.core.blocks import AgentCache
 
 #: Where a held job is inside this worker. "waiting": held, not yet in the engine (for a slot,
 #: KV blocks, its agent's turn or its cache); "running": in the engine; "ending": its outcome

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from rq.exceptions import DeserializationError
 from rq.job import Job
 
-from engine.params import SamplingParams
+from engine.core.params import SamplingParams
 from producer.models import QUEUE_OPTION_FIELDS, GenerationRequest
 from producer.protocol import JOB_FUNCTION
 from worker.job_data import BoundedJob

@@ -35,7 +35,7 @@ from rq.exceptions import DequeueTimeout
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
-from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
+from engine.core.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
 from producer.protocol import (
     CACHE_HITS_FIELD,
     CACHE_LOOKUPS_FIELD,
@@ -74,8 +74,8 @@ from worker.scheduler import Scheduler
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from engine.blocks import AgentCache
-    from engine.results import StepOutput
+    from engine.core.blocks import AgentCache
+    from engine.core.results import StepOutput
 
 log = logging.getLogger("kvrq.worker")
 

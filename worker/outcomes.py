@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from engine.results import Completion
+    from engine.core.results import Completion
 
 #: Phases published in job.meta["progress"]["phase"]: a held job's life as users see it.
 ProgressPhase = Literal["waiting", "running", "finished", "failed", "canceled", "requeued", "dropped"]

@@ -10,10 +10,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from engine.admission import Admission
-    from engine.blocks import AgentCache, BlockPool
-    from engine.params import SamplingParams
-    from engine.results import Completion, StepOutput
+    from engine.core.admission import Admission
+    from engine.core.blocks import AgentCache, BlockPool
+    from engine.core.params import SamplingParams
+    from engine.core.results import Completion, StepOutput
 
 
 class Engine(Protocol):

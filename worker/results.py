@@ -10,7 +10,7 @@ from producer.models import GenerationResult, Timings, Usage
 from worker.held import HeldJob
 
 if TYPE_CHECKING:
-    from engine.results import Completion
+    from engine.core.results import Completion
 
 
 def build_result(held: HeldJob, completion: Completion, *, model: str, worker: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
-from engine.admission import Admission
+from engine.core.admission import Admission
 from worker.held import HeldJob
 
 

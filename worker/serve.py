@@ -36,8 +36,8 @@ def wait_for_redis(url: str) -> Redis:
 
 
 def serve(settings: WorkerSettings) -> int:
-    from engine.engine import BlockPoolBatchEngine
-    from engine.model import load_model
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.models.load import load_model
     from store import open_store
 
     started = time.perf_counter()

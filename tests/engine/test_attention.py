@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import attention
-from engine.attention import AttentionCall
-from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
+from engine.batch import acceleration
+from engine.batch.attention import AttentionCall
+from engine.cpu.shortcuts import cpu_shortcuts, in_ragged_step
 
 SCALE = 0.125
 
@@ -28,7 +28,7 @@ def attend(
     """As the ragged step calls it: inside its forward pass (decoding rows in C if `native`,
     else in the split path this module tests; tests/engine/test_native_attention.py tests C)."""
     with in_ragged_step(replace(cpu_shortcuts(), native_attention=native)):
-        return attention.attend(calls, scale, sinks)
+        return acceleration.attend(calls, scale, sinks)
 
 
 def random_call(batch: int, heads: int, kv_heads: int, queries: int, keys: int, mask: Any) -> AttentionCall:
@@ -84,7 +84,7 @@ def test_on_the_cpu_the_fused_call_is_not_used(monkeypatch: pytest.MonkeyPatch) 
 
     call = CASES["one decoding token"]()
     want = fused(call)
-    monkeypatch.setattr(attention.mx.fast, "scaled_dot_product_attention", refuse)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", refuse)
     (got,) = attend([call], SCALE, None)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
 

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from engine import numpy_exp
-from engine.cpu_shortcuts import SMALL_STEP_SCORES, SMALL_STEP_TOKENS, CpuShortcuts
-from engine.params import SamplingParams
+from engine.core.params import SamplingParams
+from engine.cpu import numpy_exp
+from engine.cpu.shortcuts import SMALL_STEP_SCORES, SMALL_STEP_TOKENS, CpuShortcuts
 from tests.engine.test_ragged import make_engine, prompt
 from tests.engine.tiny import tiny_model
 

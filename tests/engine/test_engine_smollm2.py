@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 from mlx_lm import generate
 
-from engine.blocks import AgentCache
-from engine.engine import BlockPoolBatchEngine
-from engine.errors import InvalidRequestError
-from engine.params import SamplingParams
-from engine.results import Completion
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.core.blocks import AgentCache
+from engine.core.errors import InvalidRequestError
+from engine.core.params import SamplingParams
+from engine.core.results import Completion
 from tests.engine.test_engine_tiny import INVALID_REQUESTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mlx_path]
 
 LONG_TEXT = "The quick brown fox jumps over the lazy dog while the cat watches from the fence. " * 18
 CHATS = {

@@ -7,10 +7,15 @@ from typing import Any
 
 import pytest
 
-from engine.engine import BlockPoolBatchEngine
-from engine.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError, RequestTooLargeError
-from engine.params import SamplingParams
-from engine.results import Completion
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.core.errors import (
+    CacheMismatchError,
+    InvalidRequestError,
+    PoolExhaustedError,
+    RequestTooLargeError,
+)
+from engine.core.params import SamplingParams
+from engine.core.results import Completion
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
 

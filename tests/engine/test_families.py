@@ -11,12 +11,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine.engine import BlockPoolBatchEngine
-from engine.errors import UnsupportedModelError
-from engine.params import SamplingParams
-from engine.results import Completion
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.core.errors import UnsupportedModelError
+from engine.core.params import SamplingParams
+from engine.core.results import Completion
 from store import open_store
 from tests.engine.tiny import QUANTIZABLE, ByteTokenizer, tiny_model
+
+pytestmark = pytest.mark.mlx_path  # run again with KVRQ_CPU_SHORTCUTS=0 by .ci/test
 
 FAMILIES = [
     "llama",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import numpy_exp
-from engine.cpu_shortcuts import cpu_shortcuts
-from engine.gemm_rows import padded_rows
-from engine.params import SamplingParams
+from engine.core.params import SamplingParams
+from engine.cpu import numpy_exp
+from engine.cpu.gemm_rows import padded_rows
+from engine.cpu.shortcuts import cpu_shortcuts
 from tests.engine.test_ragged import make_engine, prompt, run_all, saved_cache
 from tests.engine.tiny import tiny_model
 

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine import kv_convert
-from engine.blocks import AgentCache
-from engine.fast_copy import PAGE, aliases, copy_array, page_offset_array
-from engine.host_slab import BlockSlab
-from engine.kv_arena import KVArena
-from engine.kv_convert import blocks_to_caches, caches_to_blocks
-from engine.spec import LayerSpec, ModelCacheSpec
+from engine.core.blocks import AgentCache
+from engine.core.spec import LayerSpec, ModelCacheSpec
+from engine.kv import convert as kv_convert
+from engine.kv.arena import KVArena
+from engine.kv.convert import blocks_to_caches, caches_to_blocks
+from engine.kv.fast_copy import PAGE, aliases, copy_array, page_offset_array
+from engine.kv.host_slab import BlockSlab
 
 
 def make_spec(dtype: str = "float32", n_layers: int = 3) -> ModelCacheSpec:

@@ -1,5 +1,5 @@
 """What the layered cache keeps: sliding layers only their window, SSM state only its last checkpoints,
-and how far back each lets a later prompt resume (engine/layered_kv.py, AgentCache.resume_point)."""
+and how far back each lets a later prompt resume (engine/kv/layered.py, AgentCache.resume_point)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from engine.engine import BlockPoolBatchEngine
-from engine.errors import CacheMismatchError
-from engine.layered_kv import KEEP_CHECKPOINTS, layered_blocks_to_caches
-from engine.params import SamplingParams
-from engine.results import Completion
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.core.errors import CacheMismatchError
+from engine.core.params import SamplingParams
+from engine.core.results import Completion
+from engine.kv.layered import KEEP_CHECKPOINTS, layered_blocks_to_caches
 from tests.engine.test_families import prompt_of, reference, run_all
 from tests.engine.tiny import ByteTokenizer, tiny_model
 

@@ -5,8 +5,8 @@ from typing import Any
 import pytest
 from mlx_lm import generate
 
-from engine.fastpath import blas_preload_env, find_openblas, openblas_loaded
-from engine.model import load_model
+from engine.cpu.blas import blas_preload_env, find_openblas, openblas_loaded
+from engine.models.load import load_model
 
 
 def ask_capital(model: Any, tokenizer: Any) -> str:

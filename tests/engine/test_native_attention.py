@@ -1,4 +1,4 @@
-"""Decoding rows' attention and the other rows' softmax in C (engine/native_attention.py): equal to
+"""Decoding rows' attention and the other rows' softmax in C (engine/cpu/native_attention.py): equal to
 MLX's fused call (and numpy's softmax) up to rounding, in order, on any number of threads, and off
 (MLX's and numpy's path) where it cannot be built."""
 
@@ -15,10 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import attention, native_attention
-from engine.attention import AttentionCall
-from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
-from engine.params import SamplingParams
+from engine.batch import acceleration
+from engine.batch.attention import AttentionCall
+from engine.core.params import SamplingParams
+from engine.cpu import native_attention
+from engine.cpu.shortcuts import cpu_shortcuts, in_ragged_step
 from tests.engine.test_ragged import make_engine, prompt, run_all, saved_cache
 from tests.engine.tiny import tiny_model
 
@@ -51,8 +52,10 @@ def fused(call: AttentionCall) -> mx.array:
 
 
 def attend(calls: list[AttentionCall], native: bool = True) -> list[mx.array]:
+    if native:
+        native_attention.library()  # built before the step, as the engine's start does
     with in_ragged_step(replace(cpu_shortcuts(), native_attention=native)):
-        return attention.attend(calls, SCALE, None)
+        return acceleration.attend(calls, SCALE, None)
 
 
 def test_the_library_builds_and_fits_decoding_rows_only() -> None:
@@ -225,7 +228,7 @@ def test_the_library_is_built_once_into_the_cache_folder(
 
 def load_in_a_new_process(cache: Path) -> bool:
     """Whether a fresh process (dlopen caches what this one loaded, by path) gets the library."""
-    code = "from engine import native_attention; print(native_attention.library() is not None)"
+    code = "from engine.cpu import native_attention; print(native_attention.library() is not None)"
     env = {**os.environ, "KVRQ_NATIVE_CACHE": str(cache)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return done.stdout.strip() == "True"

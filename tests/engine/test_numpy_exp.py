@@ -8,11 +8,11 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
-from engine import numpy_exp
-from engine.cpu_shortcuts import cpu_shortcuts, in_ragged_step
-from engine.engine import BlockPoolBatchEngine
-from engine.gemm_rows import padded_rows
-from engine.params import SamplingParams
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.core.params import SamplingParams
+from engine.cpu import numpy_exp
+from engine.cpu.gemm_rows import padded_rows
+from engine.cpu.shortcuts import cpu_shortcuts, in_ragged_step
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.blocks import BlockPool
-from engine.errors import PoolExhaustedError, RequestTooLargeError
-from engine.spec import LayerSpec, ModelCacheSpec
+from engine.core.blocks import BlockPool
+from engine.core.errors import PoolExhaustedError, RequestTooLargeError
+from engine.core.spec import LayerSpec, ModelCacheSpec
 
 
 def test_allocate_and_free_counts() -> None:

@@ -8,13 +8,15 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine.blocks import AgentCache
-from engine.cpu_shortcuts import cpu_shortcuts
-from engine.engine import BlockPoolBatchEngine
-from engine.gemm_rows import padded_rows
-from engine.params import SamplingParams
-from engine.results import Completion, StepOutput
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.core.blocks import AgentCache
+from engine.core.params import SamplingParams
+from engine.core.results import Completion, StepOutput
+from engine.cpu.gemm_rows import padded_rows
+from engine.cpu.shortcuts import cpu_shortcuts
 from tests.engine.tiny import ByteTokenizer, tiny_model
+
+pytestmark = pytest.mark.mlx_path  # run again with KVRQ_CPU_SHORTCUTS=0 by .ci/test
 
 GREEDY_LONG = SamplingParams(max_tokens=400, stop_tokens=())
 
@@ -63,7 +65,7 @@ def saved_cache(engine: BlockPoolBatchEngine, n_tokens: int) -> AgentCache:
 
 def block_the_cut(monkeypatch: pytest.MonkeyPatch, seconds: float, message: str) -> threading.Event:
     """Make the background cut of finished caches wait until the returned event is set."""
-    import engine.engine as engine_module
+    import engine.batch.engine as engine_module
 
     release = threading.Event()
     real_copy = engine_module.copy_into_blocks
@@ -199,7 +201,7 @@ def test_forcing_the_batch_generator_gives_the_same_greedy_tokens(model: object)
 
 
 def test_rows_crossing_from_the_short_group_to_attending_alone_keep_their_tokens(model: object) -> None:
-    from engine.ragged import SHORT_ROW_TOKENS
+    from engine.batch.ragged import SHORT_ROW_TOKENS
 
     prompts = [prompt(SHORT_ROW_TOKENS - 12, salt=s) for s in (1, 2)] + [prompt(30, salt=3)]
     alone = []

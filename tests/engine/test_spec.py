@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache
 
-from engine.errors import UnsupportedModelError
-from engine.spec import LayerSpec, ModelCacheSpec, spec_from_model
+from engine.core.errors import UnsupportedModelError
+from engine.core.spec import LayerSpec, ModelCacheSpec, spec_from_model
 from tests.engine.tiny import tiny_model
 
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from engine.textstream import TextStream
+from engine.batch.textstream import TextStream
 from tests.engine.tiny import ByteTokenizer
 
 

@@ -14,8 +14,8 @@ import fakeredis
 import numpy as np
 import pytest
 
-from engine.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
-from engine.spec import LayerSpec, ModelCacheSpec
+from engine.core.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
+from engine.core.spec import LayerSpec, ModelCacheSpec
 from store.disk import DiskStore
 from store.redis_store import RedisStore
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import sys
 
-from engine.spec import ModelCacheSpec
+from engine.core.spec import ModelCacheSpec
 from store.backend import BlockBackend
 from store.disk import DiskStore
 from store.hot import HotTierStore

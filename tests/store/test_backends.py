@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine.errors import CacheMismatchError
+from engine.core.errors import CacheMismatchError
 from store.disk import DiskStore
 from store.redis_store import RedisStore
 from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens

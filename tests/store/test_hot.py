@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.blocks import AgentCache
-from engine.errors import CacheMismatchError
+from engine.core.blocks import AgentCache
+from engine.core.errors import CacheMismatchError
 from store.disk import DiskStore
 from store.errors import StoreError
 from store.factory import open_store

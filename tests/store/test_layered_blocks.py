@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.blocks import AgentCache
-from engine.engine import BlockPoolBatchEngine
-from engine.layered_kv import KEEP_CHECKPOINTS
-from engine.params import SamplingParams
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.core.blocks import AgentCache
+from engine.core.params import SamplingParams
+from engine.kv.layered import KEEP_CHECKPOINTS
 from store.disk import DiskStore
 from tests.engine.test_families import prompt_of, run_all
 from tests.engine.tiny import ByteTokenizer, tiny_model

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.blocks import AgentCache
+from engine.core.blocks import AgentCache
 from store.disk import DiskStore
 from store.errors import StoreError
 from store.hot import HotTierStore

@@ -74,7 +74,7 @@ def test_bad_group_sizes_are_refused(group_size: int) -> None:
 
 
 def test_group_size_must_divide_the_head_dim(tmp_path: object) -> None:
-    from engine.spec import LayerSpec, ModelCacheSpec
+    from engine.core.spec import LayerSpec, ModelCacheSpec
 
     spec = ModelCacheSpec("odd", 1, (LayerSpec("full"),), 1, 96, 96, "float32")
     with pytest.raises(ValueError, match="multiple"):

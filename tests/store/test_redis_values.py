@@ -149,7 +149,7 @@ def test_a_version_1_cache_with_one_value_per_block_still_reads(redis_url: str) 
 
 def test_the_default_value_size_fits_redis(redis_url: str) -> None:
     """SmolLM2's 11.8 MB float32 blocks go out as three values under 4 MB."""
-    from engine.spec import LayerSpec, ModelCacheSpec
+    from engine.core.spec import LayerSpec, ModelCacheSpec
 
     spec = ModelCacheSpec("smollm2-135m", 30, (LayerSpec("full"),) * 30, 3, 64, 64, "float32")
     store = RedisStore(redis_url, spec)

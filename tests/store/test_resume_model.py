@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from engine.blocks import AgentCache
-from engine.engine import BlockPoolBatchEngine
-from engine.params import SamplingParams
-from engine.results import Completion
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.core.blocks import AgentCache
+from engine.core.params import SamplingParams
+from engine.core.results import Completion
 from store.backend import BlockBackend
 from store.disk import DiskStore
 from store.factory import open_store

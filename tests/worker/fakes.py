@@ -11,12 +11,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine.admission import Admission
-from engine.blocks import AgentCache, BlockPool, common_prefix_length
-from engine.errors import InvalidRequestError
-from engine.params import SamplingParams
-from engine.results import Completion, StepOutput, TokenDelta, Usage
-from engine.spec import LayerSpec, ModelCacheSpec
+from engine.core.admission import Admission
+from engine.core.blocks import AgentCache, BlockPool, common_prefix_length
+from engine.core.errors import InvalidRequestError
+from engine.core.params import SamplingParams
+from engine.core.results import Completion, StepOutput, TokenDelta, Usage
+from engine.core.spec import LayerSpec, ModelCacheSpec
 
 SPEC = ModelCacheSpec(
     model_name="fake",

@@ -16,7 +16,7 @@ from producer.models import GenerationRequest
 
 
 def reference_results(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from engine.fastpath import blas_preload_env
+    from engine.cpu.blas import blas_preload_env
 
     done = subprocess.run(
         [sys.executable, "-m", "tests.worker.reference"],
@@ -30,8 +30,8 @@ def reference_results(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    from engine.engine import BlockPoolBatchEngine
-    from engine.model import load_model
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.models.load import load_model
     from worker.jobs import sampling_of
     from worker.prompts import prompt_tokens
 

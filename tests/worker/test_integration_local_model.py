@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine.model import load_model
+from engine.models.load import load_model
 from producer.client import Producer
 from producer.models import GenerationRequest
 from tests.engine.tiny import model_config, save_model_folder, tiny_model
@@ -31,8 +31,8 @@ VOCAB = 49152  # the builtin tokenizer's
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_next"])
 def model_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.gguf_smollm2 import gguf_path
-    from engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+    from engine.models.gguf_smollm2 import gguf_path
+    from engine.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 
     arch = request.param
     folder = tmp_path_factory.mktemp("models") / f"tiny-{arch}"

@@ -18,7 +18,7 @@ from producer.client import JobHandle, Producer
 from producer.models import GenerationResult
 from tests.worker.procs import RedisProcess, WorkerProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.mlx_path]
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
 QUESTIONS = ["Name a colour.", "Name a fruit of that colour.", "Is it sweet?", "Name an animal."]

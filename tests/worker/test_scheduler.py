@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, cast
 
-from engine.admission import Admission
-from engine.params import SamplingParams
+from engine.core.admission import Admission
+from engine.core.params import SamplingParams
 from tests.worker.fakes import FakeEngine
 from worker.held import HeldJob
 from worker.scheduler import Scheduler

@@ -88,7 +88,7 @@ def test_documented_defaults_are_the_real_ones() -> None:
 def test_what_none_defaults_stand_for() -> None:
     import socket
 
-    from engine.engine import DEFAULT_POOL_MB
+    from engine.batch.engine import DEFAULT_POOL_MB
     from worker.rqexec import default_worker_name
 
     settings = WorkerSettings()

@@ -13,9 +13,9 @@ from concurrent.futures import Future
 
 import pytest
 
-from engine.blocks import AgentCache
-from engine.errors import CacheMismatchError
-from engine.params import SamplingParams
+from engine.core.blocks import AgentCache
+from engine.core.errors import CacheMismatchError
+from engine.core.params import SamplingParams
 from producer.client import JobHandle
 from producer.protocol import agent_lock_key
 from store.errors import StoreError

@@ -230,7 +230,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["worker"]:
-        from engine.fastpath import ensure_fast_blas
+        from engine.cpu.blas import ensure_fast_blas
 
         ensure_fast_blas(sys.argv if argv is None else [sys.argv[0], *arguments])  # re-execs with OpenBLAS
     parser = build_parser()

@@ -1,0 +1,201 @@
+"""The two generation loops the engine can drive, behind one small interface.
+
+- RaggedBackend (engine/batch/ragged.py): per-row KV buffers, chunked prefill between decode
+  steps; used for every architecture it is verified on whose layers are all full attention.
+- MlxBatchBackend: mlx-lm's own BatchGenerator, for the rest (sliding-window layers,
+  per-layer shapes, other architectures); models with SSM state use its subclass
+  engine/batch/checkpoints.py, which checkpoints the state at block boundaries.
+
+Both take a prompt (with an optional saved cache prefix) and give back per-step tokens
+and, for a finished sequence, its per-layer KV and the tokens that KV covers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from engine.batch.ragged import RaggedBatchGenerator
+from engine.batch.sampling import Sampler
+from engine.core.blocks import AgentCache
+from engine.core.spec import ModelCacheSpec
+from engine.kv.arena import KVArena
+from engine.kv.buffers import round_up
+from engine.kv.convert import blocks_to_caches
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    uid: int
+    token: int
+    finish_reason: str | None  # "stop" (a stop token), "length", or None while running
+
+
+@dataclass(frozen=True)
+class FinishedKV:
+    layers: list[Any]  # one mlx-lm KVCache (or compatible) per layer
+    tokens: list[int]  # the tokens whose K/V `layers` hold
+    checkpoints: dict[int, Any] = field(default_factory=dict)  # SSM state by block end: checkpoints.py
+
+
+class Backend(Protocol):
+    def insert(
+        self,
+        prompt: list[int],
+        cache: AgentCache | None,
+        reused: int,
+        *,
+        max_tokens: int,
+        sampler: Sampler | None,
+        stop_token_ids: frozenset[int],
+    ) -> int: ...
+
+    def step(self) -> list[GeneratedToken]: ...
+
+    def finish(self, uid: int, want_kv: bool) -> FinishedKV | None:
+        """Take a sequence out (finished or not); its KV when asked for and available."""
+        ...
+
+    def release(self, kv: FinishedKV) -> None:
+        """The caller is done with `kv` (its blocks are cut): memory may be reused."""
+        ...
+
+    def prompt_tokens_processed(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class RaggedBackend:
+    def __init__(
+        self, model: Any, spec: ModelCacheSpec, arena: KVArena, *, prefill_tokens_per_step: int
+    ) -> None:
+        self.generator = RaggedBatchGenerator(model, prefill_tokens_per_step=prefill_tokens_per_step)
+        self.spec = spec
+        self.arena = arena
+
+    def insert(
+        self,
+        prompt: list[int],
+        cache: AgentCache | None,
+        reused: int,
+        *,
+        max_tokens: int,
+        sampler: Sampler | None,
+        stop_token_ids: frozenset[int],
+    ) -> int:
+        # Room for the prompt and a block of output; longer outputs grow 256 tokens at a time.
+        capacity = len(prompt) + min(max_tokens, self.spec.block_tokens)
+        if cache is not None and reused > 0:
+            layers = blocks_to_caches(cache, reused, capacity=capacity, arena=self.arena)
+        else:
+            layers = self._empty_layers(capacity)
+        return self.generator.insert(
+            layers,
+            prompt[:reused],
+            prompt[reused:],
+            max_tokens=max_tokens,
+            sampler=sampler,
+            stop_token_ids=stop_token_ids,
+        )
+
+    def _empty_layers(self, capacity: int) -> list[Any]:
+        from mlx_lm.models.cache import KVCache
+
+        layers = []
+        for keys, values in self.arena.take(capacity):
+            layer = KVCache()
+            layer.keys, layer.values = keys, values
+            layers.append(layer)
+        return layers
+
+    def step(self) -> list[GeneratedToken]:
+        return [GeneratedToken(t.uid, t.token, t.finish_reason) for t in self.generator.step()]
+
+    def finish(self, uid: int, want_kv: bool) -> FinishedKV | None:
+        row = self.generator.remove(uid)
+        if row is None:
+            return None
+        kv = FinishedKV(row.layers, row.cached_tokens)
+        if want_kv:
+            return kv
+        self.release(kv)
+        return None
+
+    def release(self, kv: FinishedKV) -> None:
+        buffers = [(layer.keys, layer.values) for layer in kv.layers]
+        if all(
+            k is not None and k.shape[2] == round_up(k.shape[2], self.spec.block_tokens) for k, _ in buffers
+        ):
+            self.arena.give_back(buffers)
+
+    def prompt_tokens_processed(self) -> int:
+        return self.generator.prompt_tokens_run
+
+    def close(self) -> None:
+        self.generator.close()
+
+
+class MlxBatchBackend:
+    def __init__(self, model: Any, *, max_batch: int, prefill_step_size: int) -> None:
+        self.generator = BatchGenerator(
+            model,
+            completion_batch_size=max_batch,
+            prefill_batch_size=min(8, max_batch),
+            prefill_step_size=prefill_step_size,
+        )
+        self._finished: dict[int, FinishedKV | None] = {}  # ended by the generator itself
+
+    def insert(
+        self,
+        prompt: list[int],
+        cache: AgentCache | None,
+        reused: int,
+        *,
+        max_tokens: int,
+        sampler: Sampler | None,
+        stop_token_ids: frozenset[int],
+    ) -> int:
+        layer_caches = [blocks_to_caches(cache, reused)] if cache is not None and reused > 0 else None
+        (uid,) = self.generator.insert(
+            [prompt[reused:]],
+            max_tokens=[max_tokens],
+            caches=layer_caches,
+            all_tokens=[prompt[:reused]],
+            samplers=[sampler],  # type: ignore[list-item]
+            stop_sequences=[StopSequences([[t] for t in sorted(stop_token_ids)])],
+        )
+        return int(uid)
+
+    def step(self) -> list[GeneratedToken]:
+        _, responses = self.generator.next()
+        out = []
+        for response in responses:
+            if response.finish_reason is not None:
+                cache = response.prompt_cache
+                kv = None if cache is None else FinishedKV(cache, list(response.all_tokens))
+                self._finished[response.uid] = kv
+            reason = None if response.finish_reason is None else str(response.finish_reason)
+            out.append(GeneratedToken(response.uid, int(response.token), reason))
+        return out
+
+    def finish(self, uid: int, want_kv: bool) -> FinishedKV | None:
+        if uid in self._finished:
+            done = self._finished.pop(uid)
+            return done if want_kv else None
+        if not want_kv:
+            self.generator.remove([uid])
+            return None
+        extracted = self.generator.remove([uid], return_prompt_caches=True)
+        layers, tokens = extracted[uid]
+        return FinishedKV(layers, list(tokens))
+
+    def release(self, kv: FinishedKV) -> None:
+        pass  # the batch cache is BatchGenerator's own
+
+    def prompt_tokens_processed(self) -> int:
+        return int(self.generator._counters.prompt_tokens)
+
+    def close(self) -> None:
+        self.generator.close()

@@ -1,0 +1,413 @@
+"""RaggedBatchGenerator: continuous batching where every sequence keeps its own KV buffers.
+
+mlx-lm's BatchGenerator keeps the batch's KV in one left-padded tensor: a sequence
+joining with a long cache pads every batch mate to its length (a copy of the whole
+batch), and from then on every row attends over that padding: 8 short rows joined by
+one 1.7K-token row decoded 3.1x slower per step. Here each row owns its layers'
+(1, heads, capacity, dim) buffers (plain mlx-lm KVCaches, grown in 256-token steps),
+except short decoding rows, which sit side by side in the ShortSlots (engine/batch/short_slots.py),
+and each step is ONE forward pass over a flat batch of tokens:
+
+- every decoding row contributes its one next token, rows still in their prompt a chunk
+  of it, all laid out as a (tokens, 1) batch: the projections and MLP run once over all
+  of them (the weights, which dominate a step's memory traffic, are read once), each
+  token carries its own position for rope, and attention runs per row over that row's
+  own length (FlatLayerCache routes the model's scaled_dot_product_attention to one
+  call per long row and one for all the short ones), so nobody reads a long row's padding
+  and nobody waits for a separate prefill pass;
+- joining copies nothing: a row's buffers were filled by the gather of its saved blocks;
+  a warm agent's short suffix rides in the next step and its first token comes out of it;
+- prompt tokens per step are bounded (`prefill_tokens_per_step`), shortest remaining
+  prefill first: a warm agent's suffix is never stuck behind a burst of long cold
+  prompts, and the first of a burst finish after their own prefill, not the whole
+  burst's; a step in which a prompt finishes carries no chunk of an unfinished one (at
+  most every other step), so a warm agent's first token comes from a short step;
+  decoding rows get a token every step whatever is being prefilled;
+- on the CPU, a flat batch of 4-16 tokens runs as 16 rows and 20-31 as 32, OpenBLAS's fast
+  matmul shapes (engine/cpu/gemm_rows.py): the extra rows attend to nothing, write no K/V and are
+  never sampled.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from engine.batch import acceleration
+from engine.batch.attention import AttentionCall
+from engine.batch.sampling import Sampler
+from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
+
+# Model modules whose attention goes through base.scaled_dot_product_attention with
+# rope(offset=cache.offset) and cache.update_and_fetch, checked by tests on tiny models.
+SUPPORTED_MODULES = frozenset(
+    {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3", "mlx_lm.models.mixtral"}
+)
+
+
+class FlatLayerCache:
+    """One layer's view of a step: rows' token runs laid out as a (tokens, 1) batch.
+
+    `offset` gives every token its own rope position. The first `slot_step.size` tokens
+    belong to the short rows in the ShortSlots (written by one scatter, attended in one
+    masked call); every other run's K/V go into its row's own KVCache and it attends
+    alone over its own length (causal within a run of several tokens).
+    """
+
+    def __init__(
+        self,
+        rows: list[Any],
+        run_lengths: list[int],
+        positions: mx.array,
+        slots: ShortSlots,
+        slot_step: SlotStep | None,
+        layer: int,
+        padding: int = 0,
+    ) -> None:
+        self.rows = rows
+        self.run_lengths = run_lengths
+        self.offset = positions  # (tokens,): what the model hands to rope
+        self.slots = slots
+        self.slot_step = slot_step
+        self.layer = layer
+        self.skip = slot_step.size if slot_step is not None else 0
+        self.padding = padding  # trailing rows of the flat batch that belong to nobody
+        bounds, total = [], 0
+        for n in run_lengths[:-1]:
+            total += n
+            bounds.append(total)
+        self._bounds = bounds
+        self._fetched: list[tuple[mx.array, mx.array]] = []
+
+    def _runs(self, flat: mx.array) -> list[mx.array]:
+        """(tokens, heads, 1, dim) past the slotted rows -> one (1, heads, run, dim) array per
+        row (a run of one token is already that shape: no extra op, at a few µs per op)."""
+        if not self.rows:
+            return []
+        if self.skip or self.padding:
+            flat = flat[self.skip : flat.shape[0] - self.padding]
+        parts = mx.split(flat, self._bounds, axis=0) if self._bounds else [flat]
+        return [
+            part if n == 1 else part.swapaxes(0, 2) for part, n in zip(parts, self.run_lengths, strict=True)
+        ]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.slot_step is not None:
+            self.slots.write(self.layer, self.slot_step, keys[: self.skip], values[: self.skip])
+        self._fetched = [
+            row.update_and_fetch(k, v)
+            for row, k, v in zip(self.rows, self._runs(keys), self._runs(values), strict=True)
+        ]
+        return keys, values  # placeholders: attention reads the slots and self._fetched
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> None:
+        return None  # attention is per row (FlatLayerCache.attend)
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+        calls = []
+        if self.slot_step is not None:
+            calls.append(self.slots.attention_call(self.layer, self.slot_step, queries[: self.skip]))
+        for q, (k, v), n in zip(self._runs(queries), self._fetched, self.run_lengths, strict=True):
+            calls.append(AttentionCall(q, k, v, mask=None if n == 1 else "causal"))
+        outputs = acceleration.attend(calls, scale, sinks)
+        first_run = 0 if self.slot_step is None else 1
+        for i, n in enumerate(self.run_lengths, start=first_run):
+            if n > 1:  # (1, heads, n, dim) -> the flat batch's (n, heads, 1, dim)
+                outputs[i] = outputs[i].swapaxes(0, 2)
+        self._fetched = []
+        if self.padding:  # padding rows attend to nothing: zeros, never read by anybody
+            outputs.append(padding_output((self.padding, *outputs[0].shape[1:]), outputs[0].dtype))
+        return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+
+@functools.lru_cache(maxsize=16)
+def padding_output(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """The padding rows' attention output: one array per shape, shared by every layer and
+    step (MLX arrays are immutable), instead of a new one per layer."""
+    return mx.zeros(shape, dtype=dtype)
+
+
+def route_attention(model: Any) -> bool:
+    """Make the model's module send attention over a FlatLayerCache to it (and its SwiGLU
+    through engine/cpu/numpy_exp.py), once per module.
+
+    Every other cache goes to mlx-lm's own function unchanged. False when the model's
+    architecture is not one this routing is known to be right for.
+    """
+    module_name = type(model).__module__
+    if module_name not in SUPPORTED_MODULES:
+        return False
+    module: Any = sys.modules[module_name]
+    original = module.scaled_dot_product_attention
+    if getattr(original, "_kvrq_routed", False):
+        return True
+
+    def scaled_dot_product_attention(
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        if isinstance(cache, FlatLayerCache):
+            return cache.attend(queries, scale, sinks)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention._kvrq_routed = True  # type: ignore[attr-defined]
+    module.scaled_dot_product_attention = scaled_dot_product_attention
+    acceleration.route_swiglu(module)
+    return True
+
+
+@dataclass
+class Row:
+    uid: int
+    layers: list[Any]  # one mlx-lm KVCache per layer, owned by this row
+    cached_tokens: list[int]  # the tokens whose K/V the layers hold, in order
+    pending: list[int]  # tokens not yet fed: the prompt's rest, then the last sampled token
+    max_tokens: int
+    sampler: Sampler | None
+    stop_token_ids: frozenset[int]
+    inserted_step: int
+    sampled: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        """Tokens whose K/V the row holds (in its slot or its own layers)."""
+        return len(self.cached_tokens)
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.sampled)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.sampled) and (
+            len(self.sampled) >= self.max_tokens or self.sampled[-1] in self.stop_token_ids
+        )
+
+
+@dataclass(frozen=True)
+class RowToken:
+    uid: int
+    token: int
+    finish_reason: str | None  # "stop" (a stop token), "length" (max_tokens), None
+
+
+@dataclass
+class StepStats:
+    prompt_tokens: int = 0  # prompt tokens fed this step
+    decode_rows: int = 0
+    forward_s: float = 0.0
+
+
+class RaggedBatchGenerator:
+    def __init__(self, model: Any, *, prefill_tokens_per_step: int = 256) -> None:
+        if prefill_tokens_per_step <= 0:
+            raise ValueError(f"prefill_tokens_per_step must be positive, got {prefill_tokens_per_step}")
+        if not route_attention(model):
+            raise ValueError(f"{type(model).__module__} is not supported by the ragged batch")
+        acceleration.prepare()
+        self.model = model
+        # The vocabulary projection runs on the rows that sample only: a step finishing a
+        # 256-token prompt chunk would otherwise project all 256 (~14 GFLOP for SmolLM2's
+        # 49K vocabulary, ~0.1 s here) to keep one. Every SUPPORTED_MODULES model is
+        # `model.model` then this head (tests/engine/test_families.py runs each).
+        self._head = model.model.embed_tokens.as_linear if model.args.tie_word_embeddings else model.lm_head
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.rows: dict[int, Row] = {}
+        self.prompt_tokens_run = 0  # prompt tokens fed, less each prompt's last (as mlx-lm counts)
+        self.steps = 0
+        self.last_step = StepStats()
+        self.slots = ShortSlots()
+        self._held_back_last_step = False
+        self._next_uid = 0
+
+    def insert(
+        self,
+        layers: list[Any],
+        cached_tokens: list[int],
+        prompt_rest: list[int],
+        *,
+        max_tokens: int,
+        sampler: Sampler | None,
+        stop_token_ids: frozenset[int],
+    ) -> int:
+        """Add a row whose `layers` hold `cached_tokens`; `prompt_rest` (at least one token) follows."""
+        if not prompt_rest:
+            raise ValueError("a row needs at least one prompt token after its cache")
+        uid = self._next_uid
+        self._next_uid += 1
+        self.rows[uid] = Row(
+            uid=uid,
+            layers=layers,
+            cached_tokens=list(cached_tokens),
+            pending=list(prompt_rest),
+            max_tokens=max_tokens,
+            sampler=sampler,
+            stop_token_ids=stop_token_ids,
+            inserted_step=self.steps,
+        )
+        return uid
+
+    def remove(self, uid: int) -> Row | None:
+        """Take a row out; its own layers then hold all its K/V."""
+        row = self.rows.pop(uid, None)
+        if row is not None and row in self.slots:
+            self.slots.leave(row)
+        return row
+
+    def has_work(self) -> bool:
+        return bool(self.rows)
+
+    def close(self) -> None:
+        self.rows.clear()
+        self.slots.clear()
+
+    def step(self) -> list[RowToken]:
+        """One forward pass: one token of every decoding row plus up to prefill_tokens_per_step
+        prompt tokens (shortest remaining prompt first). A row whose prompt ends in this step
+        samples its first token from it. Finished rows stay until `remove`."""
+        self.steps += 1
+        live = [row for row in self.rows.values() if not row.finished]
+        self._assign_slots(live)
+        slotted = list(self.slots.rows)  # first: their tokens lead the flat batch
+        runs = [(row, 1) for row in slotted]
+        runs += [(row, 1) for row in live if row.decoding and row not in self.slots]
+        runs += self._prefill_chunks([row for row in live if not row.decoding])
+        stats = StepStats(decode_rows=sum(1 for row in live if row.decoding))
+        if not runs:
+            self.last_step = stats
+            return []
+        start = time.perf_counter()
+        sampled = self._forward(runs)
+        stats.forward_s = time.perf_counter() - start
+        out = []
+        for row, n in runs:
+            fed = row.pending[:n]
+            del row.pending[:n]
+            row.cached_tokens.extend(fed)
+            if not row.decoding:
+                stats.prompt_tokens += n
+                self.prompt_tokens_run += n - (0 if row.pending else 1)
+            if row.pending:
+                continue  # prompt not done: no token yet
+            token = sampled[row.uid]
+            row.pending = [token]
+            row.sampled.append(token)
+            reason = None
+            if token in row.stop_token_ids:
+                reason = "stop"
+            elif len(row.sampled) >= row.max_tokens:
+                reason = "length"
+            out.append(RowToken(row.uid, token, reason))
+        self.last_step = stats
+        return out
+
+    def _prefill_chunks(self, prefilling: list[Row]) -> list[tuple[Row, int]]:
+        """This step's prompt tokens: shortest remaining prompt first, within the budget.
+
+        A step in which short prompts finish (up to half the budget: typically warm agents'
+        suffixes) carries no chunk of a longer one that does not: they get their first token
+        from a step as short as the decode steps, not one carrying a whole budget of someone's
+        cold prompt. A step finishing a longer run (a cold prompt's last chunk) is long anyway:
+        it fills the budget and holds nothing back, so that the warm suffix arriving next is
+        not the one forced to share its step. So that long prompts are never starved, a chunk
+        held back goes into the next step whatever finishes there.
+        """
+        budget = self.prefill_tokens_per_step
+        chunks: list[tuple[Row, int]] = []
+        held_back = False
+        for row in sorted(prefilling, key=lambda r: (len(r.pending), r.inserted_step, r.uid)):
+            if budget <= 0:
+                break
+            n = min(budget, len(row.pending))
+            finishing_tokens = self.prefill_tokens_per_step - budget
+            if (
+                n < len(row.pending)
+                and chunks
+                and finishing_tokens * 2 <= self.prefill_tokens_per_step
+                and not self._held_back_last_step
+            ):
+                held_back = True
+                break
+            chunks.append((row, n))
+            budget -= n
+        self._held_back_last_step = held_back
+        return chunks
+
+    def _assign_slots(self, live: list[Row]) -> None:
+        """Finished rows and rows about to outgrow SHORT_ROW_TOKENS leave the slots; short
+        decoding rows enter them."""
+        for row in list(self.slots.rows):
+            if row.finished or row.length + 1 > SHORT_ROW_TOKENS:
+                self.slots.leave(row)
+        for row in live:
+            if row.decoding and row.length + 1 <= SHORT_ROW_TOKENS and row not in self.slots:
+                self.slots.enter(row)
+
+    def _forward(self, runs: list[tuple[Row, int]]) -> dict[int, int]:
+        """Run the flat batch; sample a token for every row whose pending tokens all ran."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        for row, n in runs:
+            tokens.extend(row.pending[:n])
+            positions.extend(range(row.length, row.length + n))
+        scores = sum(n * (row.length + n) for row, n in runs)
+        shortcuts = acceleration.step_shortcuts(len(tokens), scores)
+        padding = acceleration.padded_rows(len(tokens), shortcuts) - len(tokens)
+        tokens += [0] * padding
+        positions += [0] * padding
+        n_layers = len(runs[0][0].layers)
+        slot_step = self.slots.prepare_step()
+        own = runs[slot_step.size :] if slot_step is not None else runs
+        lengths = [n for _, n in own]
+        position_array = mx.array(positions)
+        caches = [
+            FlatLayerCache(
+                [row.layers[i] for row, _ in own], lengths, position_array, self.slots, slot_step, i, padding
+            )
+            for i in range(n_layers)
+        ]
+        with acceleration.in_step(shortcuts):
+            hidden = self.model.model(mx.array(tokens)[:, None], caches)[:, -1, :]
+        ends, last = [], -1
+        for _, n in runs:
+            last += n
+            ends.append(last)
+        finishing = [(row, end) for (row, n), end in zip(runs, ends, strict=True) if n == len(row.pending)]
+        written = [
+            self.slots.keys,
+            self.slots.values,
+            [(layer.keys, layer.values) for row, _ in own for layer in row.layers],
+        ]
+        if not finishing:
+            mx.eval(written)
+            return {}
+        # Padded like the step's rows (engine/cpu/gemm_rows.py): the head's matmul is the step's largest.
+        picks = [end for _, end in finishing]
+        picks += picks[-1:] * (acceleration.padded_rows(len(picks), shortcuts) - len(picks))
+        picked = self._head(hidden[mx.array(picks)])[: len(finishing)]
+        if all(row.sampler is None for row, _ in finishing):
+            # Greedy: the log-softmax shifts a row by one constant, so argmax needs no exp
+            # (49K of them a row: 12 ms of a 16-row step on this CPU).
+            choice = mx.argmax(picked, axis=-1)
+        else:
+            logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
+            parts = mx.split(logprobs, len(finishing), axis=0)
+            choice = mx.concatenate(
+                [
+                    mx.argmax(part, axis=-1) if row.sampler is None else row.sampler(part)
+                    for (row, _), part in zip(finishing, parts, strict=True)
+                ]
+            )
+        mx.eval(choice, written)
+        values: list[int] = choice.tolist()  # type: ignore[assignment]
+        return {row.uid: token for (row, _), token in zip(finishing, values, strict=True)}
