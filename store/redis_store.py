@@ -419,55 +419,69 @@ class RedisStore(BlockBackend):
         shared = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is not None]
         own_keys = self._ref_keys(agent_id, own, manifest.part_bytes)
         written = set(self._ref_keys(agent_id, [block.ref() for block in plan.new_blocks], self.part_bytes))
+        keeps = set(own_keys)
+        stale = [key for key in old_own if key not in keeps]
+        names = {ref.name for ref in shared}
+        released = [(ref, old_part_bytes) for ref in old_shared if ref.name not in names]
+        own_bytes = manifest.block_bytes - sum(ref.nbytes for ref in shared) + len(manifest_blob)
         scripted = self._supports_scripts()
         tx.multi()
         tx.set(self._mkey(agent_id), manifest_blob, ex=self.ttl_s)
         for key in own_keys:
-            if self.ttl_s is not None:
-                tx.expire(key, self.ttl_s)
-            elif key in written:
-                tx.persist(key)
+            self._queue_expiry(tx, key, persist=key in written)
         for ref in shared:
-            for key in self._part_keys(agent_id, ref.name, ref.nbytes, manifest.part_bytes):
-                if self.ttl_s is not None:
-                    tx.expire(key, self.ttl_s)
-                else:
-                    tx.persist(key)  # ours or another writer's provisional value: adopted now
-            tx.sadd(self._refs_key(ref.name), agent_id)
-            share = ref.name.partition(".")[0]
-            tx.set(self._pointer_key(share), f"{ref.crc32:08x}:{ref.nbytes}", nx=True, ex=self.ttl_s)
-            if self.ttl_s is not None:
-                tx.expire(self._refs_key(ref.name), self.ttl_s)
-        stale = [key for key in old_own if key not in set(own_keys)]
+            self._queue_link(tx, agent_id, ref, manifest.part_bytes)
         if stale:
             tx.unlink(*stale)
-        names = {ref.name for ref in shared}
-        released = [(ref, old_part_bytes) for ref in old_shared if ref.name not in names]
+        self._queue_usage(tx, agent_id, own_bytes, shared)
+        self._queue_release(tx, agent_id, released, scripted)
+        results = tx.execute()  # the EXEC: WatchError if another writer swapped the manifest meanwhile
+        return self._left_to_collect(released, results, scripted)
+
+    def _queue_expiry(self, tx: Any, key: str, *, persist: bool) -> None:
+        """A committed value's expiry: the agent TTL when there is one; otherwise none, where `persist`
+        says the value may still carry a provisional expiry (PERSIST drops it)."""
+        if self.ttl_s is not None:
+            tx.expire(key, self.ttl_s)
+        elif persist:
+            tx.persist(key)
+
+    def _queue_link(self, tx: Any, agent_id: str, ref: BlockRef, part_bytes: int) -> None:
+        """Take the agent's reference on a shared block: its values adopted (ours or another writer's
+        provisional ones), the agent added to its reference set, its pointer set unless one exists."""
+        for key in self._part_keys(agent_id, ref.name, ref.nbytes, part_bytes):
+            self._queue_expiry(tx, key, persist=True)
+        tx.sadd(self._refs_key(ref.name), agent_id)
+        share = ref.name.partition(".")[0]
+        tx.set(self._pointer_key(share), f"{ref.crc32:08x}:{ref.nbytes}", nx=True, ex=self.ttl_s)
+        self._queue_expiry(tx, self._refs_key(ref.name), persist=False)
+
+    def _queue_usage(self, tx: Any, agent_id: str, own_bytes: int, shared: Sequence[BlockRef]) -> None:
+        """Index, sizes (the agent's own bytes) and links (the shared blocks it uses) for budgets."""
         tx.zadd(self._index, {agent_id: time.time()})
-        tx.hset(
-            self._sizes,
-            agent_id,
-            manifest.block_bytes - sum(ref.nbytes for ref in shared) + len(manifest_blob),
-        )
+        tx.hset(self._sizes, agent_id, own_bytes)
         if shared:
             tx.hset(self._links, agent_id, ",".join(f"{ref.name}:{ref.nbytes}" for ref in shared))
         else:
             tx.hdel(self._links, agent_id)
-        return self._release_in(tx, agent_id, released, scripted)
 
-    def _release_in(
+    def _queue_release(
         self, tx: Any, agent_id: str, released: Sequence[tuple[BlockRef, int]], scripted: bool
-    ) -> builtins.list[tuple[BlockRef, int]]:
-        """Queue the release of `released` at the end of a MULTI and EXEC it. With scripting the
-        blocks left unused are deleted in the same transaction; otherwise they are returned, for
-        _collect_shared to check and delete after the EXEC."""
+    ) -> None:
+        """Queue, last in the MULTI, dropping the agent's references to `released`; with scripting a
+        block left unused is deleted in the same transaction."""
         for ref, part_bytes in released:
             if scripted:
                 keys, pointer = self._release_keys(ref, part_bytes)
                 tx.eval(_RELEASE_SHARED, len(keys), *keys, pointer, agent_id)
             else:
                 tx.srem(self._refs_key(ref.name), agent_id)
-        results = tx.execute()
+
+    def _left_to_collect(
+        self, released: Sequence[tuple[BlockRef, int]], results: builtins.list[Any], scripted: bool
+    ) -> builtins.list[tuple[BlockRef, int]]:
+        """After the EXEC: the released blocks _collect_shared must still check and delete (all of them
+        without scripting; none with it, where the scripts' own collections are counted here)."""
         if not scripted:
             return list(released)
         if released:
@@ -616,11 +630,13 @@ class RedisStore(BlockBackend):
                 tx.zrem(self._index, handle)
                 tx.hdel(self._sizes, handle)
                 tx.hdel(self._links, handle)
+                released = [(ref, part_bytes) for ref in shared]
+                self._queue_release(tx, handle, released, scripted)
                 try:
-                    to_collect = self._release_in(tx, handle, [(ref, part_bytes) for ref in shared], scripted)
+                    results = tx.execute()  # the EXEC
                 except WatchError:
                     continue
-            self._collect_shared(to_collect)
+            self._collect_shared(self._left_to_collect(released, results, scripted))
             if blob is not None and not keys and not shared:
                 self._sweep(handle)  # damaged manifest: find the agent's permanent blocks by pattern
             return blob is not None

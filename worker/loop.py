@@ -36,6 +36,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 
 from engine.core.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
+from producer.models import GenerationRequest
 from producer.protocol import (
     CACHE_HITS_FIELD,
     CACHE_LOOKUPS_FIELD,
@@ -277,7 +278,7 @@ class WorkerLoop:
             return None
 
     def _take(self, job: Job, queue: Queue) -> None:
-        """A dequeued job: validate, mark started, stand it in its agent's line, queue it for admission."""
+        """A dequeued job: dropped if canceled meanwhile, rejected if invalid, held otherwise."""
         if job.get_status(refresh=False) == JobStatus.CANCELED:
             rqexec.forget_dequeued(job, queue)
             return
@@ -285,14 +286,21 @@ class WorkerLoop:
             request = request_from_job(job)
             tokens = prompt_tokens(self.engine.tokenizer, request)
         except (JobRejected, PromptError) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            log.warning("job %s rejected: %s", job.id, reason)
-            execution = rqexec.start_rejected(self.worker, job, queue)
-            outcome = Failed(ErrorCode.INVALID_REQUEST, reason, retry=False)
-            self._publish_ending(job, outcome)
-            self._record_in_rq(job, queue, execution, outcome)
-            self.counts["failed"] += 1
+            self._reject(job, queue, f"{type(exc).__name__}: {exc}")
             return
+        self._hold(job, queue, request, tokens)
+
+    def _reject(self, job: Job, queue: Queue, reason: str) -> None:
+        """Fail an invalid job at once (no retry: it would fail the same way), recorded as an execution."""
+        log.warning("job %s rejected: %s", job.id, reason)
+        execution = rqexec.start_rejected(self.worker, job, queue)
+        outcome = Failed(ErrorCode.INVALID_REQUEST, reason, retry=False)
+        self._publish_ending(job, outcome)
+        self._record_in_rq(job, queue, execution, outcome)
+        self.counts["failed"] += 1
+
+    def _hold(self, job: Job, queue: Queue, request: GenerationRequest, tokens: list[int]) -> None:
+        """Mark a valid job started, stand it in its agent's line and queue it for admission."""
         enqueued = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
         first = _first_enqueued(job, enqueued)
         job.meta.pop(ERROR_META_KEY, None)  # a job re-queued from the failed registry starts clean

@@ -118,3 +118,18 @@ def backend_factory(
     yield factory
     for store in made:
         store.close()
+
+
+@pytest.fixture(params=[pytest.param("redis-server", marks=pytest.mark.integration), "fakeredis"])
+def store_and_rival(request: pytest.FixtureRequest) -> Iterator[tuple[RedisStore, RedisStore]]:
+    """Our RedisStore and a rival writer on the same server: a real redis-server, or fakeredis (which runs
+    no Lua here, so the paths without scripts)."""
+    if request.param == "fakeredis":
+        server = fakeredis.FakeServer()
+        stores = [RedisStore(fakeredis.FakeRedis(server=server), tiny_spec(), prefix="race:") for _ in (1, 2)]
+    else:
+        url = request.getfixturevalue("redis_url")
+        stores = [RedisStore(url, tiny_spec(), prefix="race:") for _ in (1, 2)]
+    yield stores[0], stores[1]
+    for store in stores:
+        store.close()

@@ -15,10 +15,10 @@ import pytest
 
 from store.backend import BlockBackend
 from store.disk import MANIFEST, DiskStore
-from store.manifest import _metadata_checksum, encode_manifest
+from store.manifest import Manifest, _metadata_checksum, encode_manifest
 from store.redis_store import RedisStore
 from store.stfile import encode, parse_header, view
-from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
 
 Factory = Callable[..., DiskStore | RedisStore]
 
@@ -188,3 +188,51 @@ def test_a_lower_fence_loses_to_a_concurrent_writer_on_disk(tmp_path: Path) -> N
 @pytest.mark.integration
 def test_a_lower_fence_loses_to_a_concurrent_writer_on_redis(redis_url: str) -> None:
     _race("redis", redis_url)
+
+
+# --- a fence lost on a retry, after this put wrote its blocks ----------------------------------------
+def _every_key(store: RedisStore) -> set[str]:
+    return {key.decode() for key in store._client.scan_iter(match=f"{store.prefix}*")}
+
+
+def test_a_fence_lost_on_a_retry_after_writing_blocks_leaks_no_value(
+    store_and_rival: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our put (fence 1) writes its new blocks, own and shared; before its EXEC a newer holder (fence 2)
+    commits, so the EXEC aborts; the retry finds the higher fence and drops the put. Every value it wrote
+    must go: what Redis holds afterwards is exactly what it held right after the newer holder's commit,
+    less the values this put wrote."""
+    store, rival = store_and_rival
+    base = tokens(40, seed=1)
+    assert rival.put(AGENT, make_cache(rival.spec, base), fence=1)
+    before_put = _every_key(store)
+    ours: set[str] = set()
+    ours_values: set[str] = set()
+    after_rival: set[str] = set()
+    checks: list[bool] = []
+    original = store._watch_shared
+
+    def rival_commits_first(tx: object, agent_id: str, manifest: Manifest) -> bool:
+        nonlocal ours, after_rival
+        if not ours:
+            ours = _every_key(store) - before_put  # what our put wrote before its EXEC
+            ours_values.update(ours & redis_value_keys(store._client, store.prefix))
+            newer = make_cache(rival.spec, base + tokens(10, seed=2))  # keeps the blocks our put kept too
+            assert rival.put(AGENT, newer, fence=2)
+            after_rival = _every_key(store)
+        checks.append(original(tx, agent_id, manifest))
+        return checks[-1]
+
+    monkeypatch.setattr(store, "_watch_shared", rival_commits_first)
+    # The 2 full blocks of the stored 40 tokens kept; 4 full (shared) blocks and a partial (own) one written.
+    assert store.put(AGENT, make_cache(store.spec, base + tokens(60, seed=3)), fence=1) is False
+    # The put went on to its EXEC, which aborted (not replanned), and lost the fence on its retry.
+    assert checks == [True]
+    assert store.stats()["stale_puts"] == 1 and store.stats()["put_retries"] == 1
+    assert len(ours) == 5 and ours_values == ours  # the path under test: blocks written, then the fence lost
+    assert any(":b:" in key for key in ours) and any(f"{store.prefix}s:" in key for key in ours)
+    leaked = _every_key(store) - (after_rival - ours)
+    assert leaked == set(), f"{len(leaked)} keys leaked: {sorted(leaked)}"
+    assert _every_key(store) == after_rival - ours  # and nothing of the newer holder's went with them
+    manifest = rival.read_manifest(AGENT)
+    assert manifest is not None and manifest.fence == 2

@@ -8,33 +8,17 @@ writer lose 8 races in a row to another).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import fakeredis
 import pytest
 
 from store import redis_store
 from store.errors import StoreError
 from store.manifest import Manifest
 from store.redis_store import RedisStore, race_attempts
-from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
+from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tokens
 
 AGENT = "contested"
-PREFIX = "race:"
-
-
-@pytest.fixture(params=["redis-server", "fakeredis"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[RedisStore, RedisStore]]:
-    """Our store and a rival writer on the same server."""
-    if request.param == "fakeredis":
-        server = fakeredis.FakeServer()
-        stores = [RedisStore(fakeredis.FakeRedis(server=server), tiny_spec(), prefix=PREFIX) for _ in (1, 2)]
-    else:
-        url = request.getfixturevalue("redis_url")
-        stores = [RedisStore(url, tiny_spec(), prefix=PREFIX) for _ in (1, 2)]
-    yield stores[0], stores[1]
-    for store in stores:
-        store.close()
 
 
 def _rival_commits_first(
@@ -58,9 +42,9 @@ def _rival_commits_first(
 
 @pytest.mark.integration
 def test_a_put_outlasts_more_lost_races_than_its_minimum_attempts(
-    pair: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
+    store_and_rival: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store, rival = pair
+    store, rival = store_and_rival
     lost = redis_store.RACE_MIN_ATTEMPTS + 4
     rival_puts = _rival_commits_first(store, rival, monkeypatch, lost)
     mine = make_cache(store.spec, tokens(90, seed=99))
@@ -72,9 +56,9 @@ def test_a_put_outlasts_more_lost_races_than_its_minimum_attempts(
 
 @pytest.mark.integration
 def test_a_put_that_loses_every_race_fails_after_its_budget_and_leaves_no_blocks(
-    pair: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
+    store_and_rival: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store, rival = pair
+    store, rival = store_and_rival
     monkeypatch.setattr(redis_store, "RACE_BUDGET_S", 0.2)
     rival_puts = _rival_commits_first(store, rival, monkeypatch, None)
     started = time.monotonic()
@@ -84,7 +68,7 @@ def test_a_put_that_loses_every_race_fails_after_its_budget_and_leaves_no_blocks
     assert rival_puts() >= redis_store.RACE_MIN_ATTEMPTS
     manifest = rival.read_manifest(AGENT)
     assert manifest is not None
-    stored = redis_value_keys(rival._client, PREFIX)
+    stored = redis_value_keys(rival._client, rival.prefix)
     assert stored == set(rival._ref_keys(AGENT, manifest.blocks, manifest.part_bytes))  # ours were removed
 
 
