@@ -13,6 +13,7 @@ from pathlib import Path
 import fakeredis
 import numpy as np
 import pytest
+from redis.exceptions import ResponseError
 
 from engine.core.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
 from engine.core.spec import LayerSpec, ModelCacheSpec
@@ -133,3 +134,14 @@ def store_and_rival(request: pytest.FixtureRequest) -> Iterator[tuple[RedisStore
     yield stores[0], stores[1]
     for store in stores:
         store.close()
+
+
+def without_scripting(store: RedisStore) -> RedisStore:
+    """The store as on a server that runs no Lua (EVAL disabled or renamed, fakeredis without lupa):
+    its client's EVAL answers as such a server does, so it takes its WATCH/MULTI paths instead."""
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise ResponseError("unknown command 'eval', with args beginning with: ")
+
+    store._client.eval = refused  # type: ignore[method-assign]
+    return store

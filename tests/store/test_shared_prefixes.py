@@ -22,7 +22,14 @@ from store.backend import BlockBackend
 from store.disk import DiskStore
 from store.manifest import parse_shared_name
 from store.redis_store import RedisStore
-from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
+from tests.store.conftest import (
+    assert_same_cache,
+    make_cache,
+    redis_value_keys,
+    tiny_spec,
+    tokens,
+    without_scripting,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +37,10 @@ PREFIX = tokens(64, seed=42)  # 4 full blocks
 Opener = Callable[..., BlockBackend]
 
 
-@pytest.fixture(params=["disk", "redis-server"])
+@pytest.fixture(params=["disk", "redis-server", "redis-server-without-scripts"])
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Opens backends of one kind over one shared storage (one directory, one Redis)."""
+    """Opens backends of one kind over one shared storage (one directory, one Redis); the last kind
+    collects shared blocks by its fallback for servers without Lua (WATCH/MULTI after the EXEC)."""
     made: list[BlockBackend] = []
 
     def open_one(namespace: str = "default", **options: Any) -> BlockBackend:
@@ -42,6 +50,8 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
         else:
             url = request.getfixturevalue("redis_url")
             store = RedisStore(url, tiny_spec(), namespace=namespace, **options)
+            if request.param == "redis-server-without-scripts":
+                without_scripting(store)
         made.append(store)
         return store
 
@@ -311,3 +321,66 @@ def test_collect_shared_garbage_finds_what_no_agent_uses(opener: Opener) -> None
         assert store.stats()["miss_missing_block"] == 1
     else:
         assert_same_cache(store.get("a"), make_cache(store.spec, PREFIX + [1]))
+
+
+# --- servers without scripting: collection by WATCH/MULTI after the manifest's EXEC ------------------
+def test_without_scripting_a_released_block_is_collected_with_its_pointer(redis_url: str) -> None:
+    store = without_scripting(RedisStore(redis_url, tiny_spec()))
+    store.put("a", make_cache(store.spec, PREFIX + [1]))
+    assert store.put("a", make_cache(store.spec, tokens(40, seed=5)))  # releases the 4 prefix blocks
+    assert store._scripting is False  # the fallback, not the script, collected them
+    assert store.stats()["shared_collected"] == 4
+    manifest = store.read_manifest("a")
+    assert manifest is not None
+    in_use = {ref.name.partition(".")[0] for ref in manifest.blocks if parse_shared_name(ref.name)}
+    left = {key.decode() for key in store._client.scan_iter(match=f"{store.prefix}s:*")}
+    assert {key.split(":s:")[1].partition(".")[0].partition(":")[0] for key in left} == in_use
+    assert store.get("probe", prompt_tokens=PREFIX + [1]) is None  # no pointer leads to the prefix
+    store.close()
+
+
+def test_without_scripting_a_pointer_naming_another_version_is_kept(redis_url: str) -> None:
+    store = without_scripting(RedisStore(redis_url, tiny_spec()))
+    store.put("a", make_cache(store.spec, PREFIX + [1]))
+    manifest = store.read_manifest("a")
+    assert manifest is not None
+    first = manifest.blocks[0]
+    pointer = store._pointer_key(first.name.partition(".")[0])
+    store._client.set(pointer, "0badc0de:123")  # since replaced by another version of the same tokens
+    store.put("a", make_cache(store.spec, tokens(40, seed=5)))
+    assert store.stats()["shared_collected"] == 4
+    assert store._client.get(pointer) == b"0badc0de:123"
+    store.close()
+
+
+def test_without_scripting_an_agent_adopting_the_block_during_its_collection_keeps_it(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the collector's check (no references) and its EXEC, another agent commits a manifest
+    that uses the block: the WATCHed reference set aborts the deletion, and that agent reads whole."""
+    store = without_scripting(RedisStore(redis_url, tiny_spec()))
+    other = without_scripting(RedisStore(redis_url, tiny_spec()))
+    store.put("a", make_cache(store.spec, PREFIX + [1]))
+    adopter = make_cache(other.spec, PREFIX + [2])
+    pipeline = store._client.pipeline
+
+    def pipeline_with_an_adoption(*args: Any, **kwargs: Any) -> Any:
+        pipe = pipeline(*args, **kwargs)
+        scard = pipe.scard
+
+        def check_then_adopt(key: str) -> Any:
+            count = scard(key)
+            if "b" not in other.list():
+                assert other.put("b", adopter)  # links the 4 stored prefix blocks
+            return count
+
+        pipe.scard = check_then_adopt
+        return pipe
+
+    monkeypatch.setattr(store._client, "pipeline", pipeline_with_an_adoption)
+    store.put("a", make_cache(store.spec, tokens(40, seed=5)))  # releases the prefix; "b" adopts it
+    assert other.stats()["blocks_linked"] == 4
+    assert store.stats().get("shared_collected", 0) == 0
+    assert_same_cache(other.get("b"), adopter)
+    store.close()
+    other.close()
