@@ -39,6 +39,9 @@ PROMPT_TOKENS_FIELD = "kvrq_prompt_tokens"
 REUSED_TOKENS_FIELD = "kvrq_reused_tokens"
 #: JSON object of MB by kind: the worker's resident set and what its engine and store hold (worker/memory.py).
 MEMORY_FIELD = "kvrq_memory_mb"
+#: JSON object of the worker's per-job latency histograms since it started (worker/latency.py):
+#: {name: {"bounds": [upper bounds], "counts": [jobs per bucket, the last one +Inf]}}.
+LATENCY_FIELD = "kvrq_latency"
 #: job.meta key of a failed job's structured error: {"code": ErrorCode value, "message": one line}.
 #: Clients and batch runs decide on `code`, never on the text of rq's exc_info.
 ERROR_META_KEY = "kvrq_error"

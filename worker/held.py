@@ -41,9 +41,11 @@ class HeldJob:
     admitted_at: float | None = None  # unix time
     admitted_mono: float | None = None
     cache_load_s: float = 0.0  # store time left on the critical path at admission (~0: prefetched)
+    cache_hit: bool | None = None  # an agent's job entered the engine with (True) or without its saved cache
     generated: int = 0
     progress_at: float = 0.0  # monotonic time of the last progress write
     cancel_requested: bool = False
+    stop_requested: bool = False  # rq's stop-job command, without the producer's cancel flag
     wait_reason: str = ""
     end_steps: set[str] = field(default_factory=set)  # ending steps already done (retried after outages)
 

@@ -5,6 +5,7 @@ Each iteration, in this order:
 2. commands: stop-job requests from rq's pubsub thread;
 3. liveness: heartbeats of held jobs and agent locks; crash re-runs of dead workers' jobs
    (every `crash_check_interval`); rq's registry cleanup (every `maintenance_interval`);
+   rq's scheduler (every `scheduler_interval`, worker/scheduled.py: why not a forked process);
 4. release the agent turns whose cache put became durable;
 5. cancels and job timeouts end jobs;
 6. admission (the scheduler's policy, the engine's verdict) and intake (dequeue without
@@ -46,6 +47,7 @@ from producer.protocol import (
     FREE_BLOCKS_FIELD,
     HOT_AGENTS_FIELD,
     HOT_HITS_FIELD,
+    LATENCY_FIELD,
     MAX_BATCH_FIELD,
     MEMORY_FIELD,
     MODEL_FIELD,
@@ -63,14 +65,16 @@ from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
 from worker.held import HeldJob
 from worker.jobs import JobRejected, request_from_job, sampling_of
+from worker.latency import LatencyHistograms, cache_label, job_observations
 from worker.liveness import LivenessBeacon
 from worker.maintenance import clean_queues, rerun_crashed
 from worker.memory import memory_field
-from worker.outcomes import COUNTERS, Canceled, Failed, Finished, HandedBack, Outcome, TakenOver
+from worker.outcomes import COUNTERS, Canceled, Failed, Finished, HandedBack, Outcome, Stopped, TakenOver
 from worker.ports import Engine, Store
 from worker.prompts import PromptError, prompt_tokens
 from worker.publisher import Publisher
 from worker.results import build_result
+from worker.scheduled import ScheduledJobs
 from worker.scheduler import Scheduler
 from worker.settings import WorkerSettings
 
@@ -107,9 +111,13 @@ class WorkerLoop:
         )
         self.turns = AgentTurns(self.connection, rq_worker.name, settings.heartbeat_ttl)
         self.beacon = LivenessBeacon(self.connection, rq_worker.name, settings.liveness_ttl)
+        self.scheduled = ScheduledJobs(
+            self.connection, [q.name for q in rq_worker.queues], rq_worker.name, settings.scheduler_interval
+        )
         self.affinity = Affinity(
             self.connection, rq_worker, enabled=settings.affinity, wait_s=settings.affinity_wait
         )
+        self.latency = LatencyHistograms()
         self.ending: deque[tuple[HeldJob, Outcome]] = deque()
         self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
         self.draining = False
@@ -205,6 +213,7 @@ class WorkerLoop:
                 log.exception("store close failed: write-behind caches may be lost")
         try:
             self._release_saved_turns(force=True)
+            self.scheduled.stop()  # another worker takes the scheduler locks at its next run
             self.worker.register_death()
             self.worker.unsubscribe()
         except REDIS_DOWN as exc:
@@ -225,6 +234,8 @@ class WorkerLoop:
             self._check_crashes()
         if not self.draining and now >= self.next_maintenance:
             self._maintenance()
+        if self.scheduled.due(now):
+            self.scheduled.run(now)  # while draining too: due jobs go to the queue for the others
         self._release_saved_turns()
         self._apply_cancels()
         self._enforce_timeouts()
@@ -386,6 +397,7 @@ class WorkerLoop:
                     "job %s: agent %s's saved cache unusable (%s): prefilling", held.id, held.agent_id, exc
                 )
                 self.counts["cache_read_failed"] += 1
+                cache = None
                 uid = self._engine_submit(held, None)
         except PoolExhaustedError as exc:
             self._waiting(held, f"KV blocks: {exc}")
@@ -398,6 +410,8 @@ class WorkerLoop:
             return
         held.admitted_at = admitted_at
         held.admitted_mono = admitted_mono
+        if held.agent_id is not None and self.store is not None:
+            held.cache_hit = cache is not None
         held.wait_reason = ""
         self.scheduler.start(held, uid)
         self.publisher.progress(held.job, phase="running", waiting_for=None, generated_tokens=0)
@@ -506,6 +520,10 @@ class WorkerLoop:
             self._end_turn(held, outcome)
             steps.add("turn")
         self.counts[_counter(outcome)] += 1
+        if not isinstance(outcome, HandedBack | TakenOver):  # those runs go on elsewhere
+            completion = outcome.completion if isinstance(outcome, Finished) else None
+            observed = job_observations(held, completion, time.time())
+            self.latency.observe(observed, outcome=outcome.phase, cache=cache_label(held))
         if isinstance(outcome, Finished):
             self.counts["prompt_tokens"] += outcome.completion.usage.prompt_tokens
             self.counts["reused_tokens"] += outcome.completion.usage.reused_tokens
@@ -536,6 +554,8 @@ class WorkerLoop:
             self.publisher.error(job.id, outcome.message)
         elif isinstance(outcome, Canceled):
             self.publisher.end(job.id, "canceled")
+        elif isinstance(outcome, Stopped):
+            self.publisher.error(job.id, "stopped by rq's stop-job command")
         if not isinstance(outcome, TakenOver):
             self.publisher.progress(job, **progress)
         self.publisher.flush()
@@ -554,9 +574,20 @@ class WorkerLoop:
             result = build_result(held, outcome.completion, model=self.model_name, worker=self.worker.name)
             return rqexec.finish_job(self.worker, job, queue, execution, result)
         if isinstance(outcome, Failed):
-            rqexec.fail_job(self.worker, job, queue, execution, outcome.reason, retry=outcome.retry)
+            rqexec.fail_job(
+                self.worker,
+                job,
+                queue,
+                execution,
+                outcome.reason,
+                retry=outcome.retry,
+                code=outcome.code,
+                message=outcome.message,
+            )
         elif isinstance(outcome, Canceled):
             rqexec.cancel_job(self.worker, job, queue, execution)
+        elif isinstance(outcome, Stopped):
+            rqexec.stop_job(self.worker, job, queue, execution)
         elif isinstance(outcome, HandedBack):
             rqexec.requeue_job(self.worker, job, queue, execution, at_front=True)
         else:
@@ -623,12 +654,16 @@ class WorkerLoop:
             except Empty:
                 return
             held = self.scheduler.by_job_id(str(payload.get("job_id", "")))
-            if held is not None:
+            if held is None:
+                continue
+            if self.connection.exists(cancel_key(held.id)):  # JobHandle.cancel sets it before the command
                 held.cancel_requested = True
+            else:
+                held.stop_requested = True
 
     def _apply_cancels(self) -> None:
-        for held in [h for h in self.scheduler.all() if h.cancel_requested]:
-            self.end(held, Canceled())
+        for held in [h for h in self.scheduler.all() if h.cancel_requested or h.stop_requested]:
+            self.end(held, Canceled() if held.cancel_requested else Stopped())
 
     def _enforce_timeouts(self) -> None:
         now = time.monotonic()
@@ -684,6 +719,7 @@ class WorkerLoop:
             REUSED_TOKENS_FIELD: self.counts["reused_tokens"],
             **self._cache_fields(store_stats),
             MEMORY_FIELD: memory_field(self.engine.memory(), store_stats),
+            LATENCY_FIELD: self.latency.field(),
         }
 
     @staticmethod

@@ -1,8 +1,9 @@
 """An optional Prometheus endpoint (`--metrics-port`, off unless asked, loopback by default).
 
 Nothing is pushed: a scrape reads the worker's own counters (`WorkerLoop.counts`), its store's
-counters and the queue depths at that moment. Rates (tokens/s) are the scraper's job:
-`rate(kvrq_generated_tokens_total[1m])`.
+counters, its per-job latency histograms (worker/latency.py) and the queue depths at that moment.
+Rates and quantiles are the scraper's job: `rate(kvrq_generated_tokens_total[1m])`, the
+PromQL list in docs/worker.md.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from producer.protocol import shared_queue_of
+from worker.latency import HISTOGRAMS, LatencyHistograms
 from worker.outcomes import COUNTERS
 
 if TYPE_CHECKING:
@@ -79,6 +81,24 @@ class WorkerCollector:
             if shared_queue_of(queue.name) == queue.name:
                 depth.add_metric([queue.name], queue.count)
         yield depth
+        yield from histogram_families(loop.latency, loop.worker.name)
+
+
+def histogram_families(latency: LatencyHistograms, worker: str) -> Iterator[Any]:
+    """One Prometheus histogram per latency figure, by worker, outcome and cache hit/miss."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    for key, histogram in HISTOGRAMS.items():
+        family = HistogramMetricFamily(histogram.name, histogram.help, labels=["worker", "outcome", "cache"])
+        for (name, outcome, cache), counts in sorted(latency.counts.items()):
+            if name != key:
+                continue
+            cumulative, buckets = 0, []
+            for bound, count in zip([*histogram.bounds, float("inf")], counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric([worker, outcome, cache], buckets, latency.sums[(name, outcome, cache)])
+        yield family
 
 
 def serve_metrics(loop: WorkerLoop, port: int, host: str = "127.0.0.1") -> Any:

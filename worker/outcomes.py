@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from engine.core.results import Completion
 
 #: Phases published in job.meta["progress"]["phase"]: a held job's life as users see it.
-ProgressPhase = Literal["waiting", "running", "finished", "failed", "canceled", "requeued", "dropped"]
+ProgressPhase = Literal[
+    "waiting", "running", "finished", "failed", "canceled", "stopped", "requeued", "dropped"
+]
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,16 @@ class Failed:
 
 @dataclass(frozen=True)
 class Canceled:
-    """The producer (or rq's stop command) canceled it."""
+    """The producer canceled it (`JobHandle.cancel`, rq's `job.cancel()`)."""
 
     phase: ProgressPhase = "canceled"
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """rq's stop-job command (`send_stop_job_command`, `rq` CLI, dashboards) stopped it: STOPPED, as in rq."""
+
+    phase: ProgressPhase = "stopped"
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,6 @@ class TakenOver:
     phase: ProgressPhase = "dropped"
 
 
-Outcome = Finished | Failed | Canceled | HandedBack | TakenOver
+Outcome = Finished | Failed | Canceled | Stopped | HandedBack | TakenOver
 
-COUNTERS = ("finished", "failed", "canceled", "requeued", "dropped")
+COUNTERS = ("finished", "failed", "canceled", "stopped", "requeued", "dropped")

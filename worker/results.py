@@ -13,12 +13,22 @@ if TYPE_CHECKING:
     from engine.core.results import Completion
 
 
-def build_result(held: HeldJob, completion: Completion, *, model: str, worker: str) -> dict[str, Any]:
-    ended = time.time()
+def timings(held: HeldJob, completion: Completion | None, ended: float) -> Timings:
+    """Seconds from the job's enqueue (rq's `enqueued_at`) to each milestone; `ended` is unix time."""
     start = held.enqueued_at
     admitted = held.admitted_at if held.admitted_at is not None else ended
     # The engine's own measure: submit() accepted the sequence .. step() returned its first token.
-    engine_ttft = completion.time_to_first_token_s
+    engine_ttft = None if completion is None else completion.time_to_first_token_s
+    return Timings(
+        queued_s=max(0.0, admitted - start),
+        time_to_first_token_s=None if engine_ttft is None else max(0.0, admitted - start) + engine_ttft,
+        total_s=max(0.0, ended - start),
+        cache_load_s=held.cache_load_s,
+        engine_time_to_first_token_s=engine_ttft,
+    )
+
+
+def build_result(held: HeldJob, completion: Completion, *, model: str, worker: str) -> dict[str, Any]:
     result = GenerationResult(
         job_id=held.id,
         agent_id=held.agent_id,
@@ -26,13 +36,7 @@ def build_result(held: HeldJob, completion: Completion, *, model: str, worker: s
         token_ids=list(completion.token_ids),
         finish_reason=completion.finish_reason,
         usage=Usage(**asdict(completion.usage)),
-        timings=Timings(
-            queued_s=max(0.0, admitted - start),
-            time_to_first_token_s=None if engine_ttft is None else max(0.0, admitted - start) + engine_ttft,
-            total_s=max(0.0, ended - start),
-            cache_load_s=held.cache_load_s,
-            engine_time_to_first_token_s=engine_ttft,
-        ),
+        timings=timings(held, completion, time.time()),
         metadata=held.request.metadata,
         model=model,
         worker=worker,

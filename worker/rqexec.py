@@ -2,9 +2,10 @@
 
 rq's own workers run one job at a time in a forked horse; this worker runs them all in one
 engine loop, so it drives rq's execution API itself. Every use of rq internals in kvrq is
-in this module (private calls: `_finalize_success` in `finish_job`, `Queue._enqueue_job`
-nowhere; one private override, the pubsub thread's `_pubsub_exception_handler`; the registry
-and execution layouts through rq's own classes); pyproject pins rq
+in this module (private: `job._result` / `job._status` in `finish_job` as rq's
+`_finalize_success` sets them, rq's `_stopped_job_id` marker in `stop_job`, the pubsub thread's
+`_pubsub_exception_handler` override; the registry and execution layouts through rq's own
+classes; callbacks through rq's own `execute_*_callback`); pyproject pins rq
 to 3.0.x and tests/worker/test_rqexec.py fails loudly when the pinned rq changes them.
 """
 
@@ -14,24 +15,27 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from queue import SimpleQueue
-from typing import Any
+from typing import Any, Literal
 
 from redis import Redis
 from redis.client import PubSub, PubSubWorkerThread
 from redis.exceptions import ConnectionError as RedisConnectionError
+from rq.callbacks import execute_failure_callback, execute_stopped_callback, execute_success_callback
 from rq.command import parse_payload
-from rq.exceptions import InvalidJobOperation
+from rq.exceptions import AbandonedJobError, InvalidJobOperation
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 from rq.serializers import resolve_serializer
+from rq.timeouts import BaseDeathPenalty, JobTimeoutException, TimerDeathPenalty, UnixSignalDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
@@ -133,17 +137,69 @@ def start_job(worker: KvrqWorker, job: Job, queue: Queue) -> Execution:
 def finish_job(
     worker: KvrqWorker, job: Job, queue: Queue, execution: Execution, result: dict[str, Any]
 ) -> bool:
-    """Finish the job with `result` as its rq return value (FinishedJobRegistry, Result stream).
+    """Finish the job with `result` as its rq return value (FinishedJobRegistry, Result stream,
+    dependents enqueued), after its `on_success` callback, as rq's `_finalize_success` does.
 
     False, and nothing written, when the execution is no longer ours (re-run elsewhere after
-    this worker was taken for dead): a job gets one result, never two.
-    rq has no public call for "this execution returned this value" outside its own
-    fork loop; `_finalize_success` is that call (stable across rq 2.x-3.0).
+    this worker was taken for dead): a job gets one result, never two. Unlike rq, a success
+    callback that raises is logged and fails nothing: the answer is good.
     """
     if not owns_execution(worker.connection, job, execution):
         return False
-    worker._finalize_success(job, queue, execution, result)
+    worker.handle_execution_ended(job, queue, job.success_callback_timeout)
+    job._result = result
+    job._status = JobStatus.FINISHED
+    run_callback(job, "success", result)
+    worker.handle_job_success(
+        job=job, queue=queue, started_job_registry=queue.started_job_registry, execution=execution
+    )
+    job.send_webhooks(JobStatus.FINISHED)
     return True
+
+
+class JobError(Exception):
+    """What a kvrq job's `on_failure` callback receives for a failure that raised nothing
+    (rq passes the job's exception): `code` is producer.protocol.ErrorCode."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+CallbackKind = Literal["success", "failure", "stopped"]
+_CALLBACK_RUNNERS: dict[str, Callable[..., None]] = {
+    "success": execute_success_callback,
+    "failure": execute_failure_callback,
+    "stopped": execute_stopped_callback,
+}
+
+
+def run_callback(job: Job, kind: CallbackKind, *args: Any) -> None:
+    """Run the job's `on_<kind>` callback as rq does (its arguments, its timeout: rq's
+    `execute_*_callback`); one that raises or times out is logged and changes nothing else."""
+    try:
+        _CALLBACK_RUNNERS[kind](job, death_penalty(), *args)
+    except Exception:
+        log.exception("job %s: its on_%s callback failed (logged; the job's outcome stands)", job.id, kind)
+
+
+def death_penalty() -> type[BaseDeathPenalty]:
+    """rq's timeout for callbacks: SIGALRM on the main thread (the loop), a timer elsewhere."""
+    if threading.current_thread() is threading.main_thread():
+        return UnixSignalDeathPenalty
+    return TimerDeathPenalty
+
+
+def failure_exc_info(code: str, message: str) -> tuple[type[BaseException], BaseException, None]:
+    """The (type, value, traceback) an `on_failure` callback gets: rq's own exception where one fits."""
+    error: BaseException
+    if code == ErrorCode.TIMEOUT:
+        error = JobTimeoutException(message)
+    elif code == ErrorCode.WORKER_CRASHED:
+        error = AbandonedJobError(message)
+    else:
+        error = JobError(code, message)
+    return type(error), error, None
 
 
 def owns_execution(connection: Redis, job: Job, execution: Execution) -> bool:
@@ -156,9 +212,19 @@ def owns_execution(connection: Redis, job: Job, execution: Execution) -> bool:
 
 
 def fail_job(
-    worker: KvrqWorker, job: Job, queue: Queue, execution: Execution | None, reason: str, *, retry: bool
+    worker: KvrqWorker,
+    job: Job,
+    queue: Queue,
+    execution: Execution | None,
+    reason: str,
+    *,
+    retry: bool,
+    code: str = ErrorCode.INTERNAL,
+    message: str | None = None,
 ) -> None:
-    """Fail the job with `reason` (rq's exc_string); with `retry` rq re-queues it while retries are left.
+    """Fail the job with `reason` (rq's exc_string) after its `on_failure` callback, as rq does; with
+    `retry` rq re-queues it while retries are left (`Retry(interval=...)`: scheduled on the shared queue,
+    so any worker's scheduler moves it back), otherwise its dependents are enqueued as rq decides.
 
     The structured error (job.meta[ERROR_META_KEY]) is written by the caller before this.
     """
@@ -167,7 +233,30 @@ def fail_job(
     job.ended_at = now()
     if job.started_at is None:
         job.started_at = job.ended_at
-    worker.handle_job_failure(job, queue, exc_string=reason, execution=execution)
+    job._status = JobStatus.FAILED  # what the callback sees, as in rq's _finalize_failure
+    run_callback(job, "failure", *failure_exc_info(code, message or reason))
+    worker.handle_job_failure(job, _shared(queue), exc_string=reason, execution=execution)
+
+
+def stop_job(worker: KvrqWorker, job: Job, queue: Queue, execution: Execution) -> None:
+    """End a held job as rq ends one stopped by `send_stop_job_command`: its `on_stopped` callback,
+    then STOPPED in the FailedJobRegistry, never retried (its dependents stay deferred, as in rq)."""
+    job.ended_at = now()
+    if job.started_at is None:
+        job.started_at = job.ended_at
+    run_callback(job, "stopped")
+    worker._stopped_job_id = job.id  # rq's marker: handle_job_failure records STOPPED, no retry
+    worker.handle_job_failure(
+        job, queue, exc_string="Job stopped by user (stop-job command)", execution=execution
+    )
+
+
+def _shared(queue: Queue) -> Queue:
+    """The shared queue of a worker's own queue (a retry may run on any worker)."""
+    name = shared_queue_of(queue.name)
+    if name == queue.name:
+        return queue
+    return Queue(name, connection=queue.connection, serializer=SERIALIZER, job_class=queue.job_class)
 
 
 def start_rejected(worker: KvrqWorker, job: Job, queue: Queue) -> Execution:
@@ -322,6 +411,7 @@ def rerun_after_crash(queue: Queue, execution: Execution, *, default_budget: int
                 f"its worker died {crashes} times while running it ({why}); crash budget of {budget} "
                 "re-runs spent: failing it so it cannot take more workers down"
             )
+            run_callback(job, "failure", *failure_exc_info(ErrorCode.WORKER_CRASHED, message))
             job.meta[ERROR_META_KEY] = {"code": ErrorCode.WORKER_CRASHED, "message": message}
             pipe.multi()
             execution.delete(job, pipeline=pipe)
@@ -330,6 +420,8 @@ def rerun_after_crash(queue: Queue, execution: Execution, *, default_budget: int
             outcome = "failed"
         pipe.hset(job.key, "meta", serializer.dumps(job.meta))
         pipe.execute()
+    if outcome == "failed":  # as rq's abandoned-job cleanup: dependents that allow a failure run now
+        queue.enqueue_dependents(job)
     return outcome
 
 

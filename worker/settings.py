@@ -74,6 +74,11 @@ class WorkerSettings(BaseSettings):
     maintenance_interval: float = Field(
         default=60.0, gt=0, description="seconds between abandoned-job cleanups"
     )
+    scheduler_interval: float = Field(
+        default=1.0,
+        ge=0,
+        description="seconds between runs of rq's scheduler (scheduled jobs, Retry intervals); 0: off",
+    )
     drain_timeout: float = Field(default=30.0, ge=0, description="SIGTERM: seconds to finish running jobs")
     result_ttl: int = Field(
         default=3600, ge=-1, description="seconds results are kept when the job sets none"

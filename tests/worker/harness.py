@@ -24,7 +24,7 @@ class Harness:
             heartbeat_interval=0.05,
             maintenance_interval=3600,
             max_batch=max_batch,
-            **settings,  # type: ignore[arg-type]
+            **{"scheduler_interval": 0, **settings},  # type: ignore[arg-type]  # fakeredis runs no Lua
         )
         self.loop = self.new_loop()
         self.producer = Producer(connection=fake_redis(self.server))

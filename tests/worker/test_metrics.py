@@ -34,3 +34,30 @@ def test_metrics_export_jobs_tokens_cache_and_queues() -> None:
 
 def test_the_worker_serves_no_metrics_unless_asked() -> None:
     assert Harness().settings.metrics_port is None
+
+
+def test_metrics_export_per_job_latency_histograms_by_outcome_and_cache() -> None:
+    h = Harness()
+    first = h.producer.submit({"agent_id": "A", "prompt": "hi", "max_tokens": 3})
+    h.run_until(h.all_ended([first]))
+    second = h.producer.submit({"agent_id": "A", "prompt": "hi there", "max_tokens": 3})
+    plain = h.producer.submit({"prompt": "no agent", "max_tokens": 2})
+    h.run_until(h.all_ended([second, plain]))
+    port = free_port()
+    server = serve_metrics(h.loop, port)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        server.shutdown()
+    me = f'worker="{h.loop.worker.name}"'
+    for name in (
+        "kvrq_job_queue_wait_seconds",
+        "kvrq_job_first_token_seconds",
+        "kvrq_job_duration_seconds",
+        "kvrq_job_tokens_per_second",
+    ):
+        for cache in ("hit", "miss", "none"):  # turn 2 resumed, turn 1 prefilled, the plain job has no agent
+            assert f'{name}_count{{cache="{cache}",outcome="finished",{me}}} 1.0' in text, (name, cache)
+        assert f'{name}_bucket{{cache="none",le="+Inf",outcome="finished",{me}}} 1.0' in text
+    assert 'kvrq_job_cache_load_seconds_count{cache="hit",outcome="finished"' in text
+    assert 'kvrq_job_cache_load_seconds_count{cache="none"' not in text  # no agent: no cache to load

@@ -12,6 +12,7 @@ import logging
 import pytest
 import rq
 from redis.exceptions import ConnectionError as RedisConnectionError
+from rq.callbacks import execute_failure_callback, execute_stopped_callback, execute_success_callback
 from rq.executions import Execution
 from rq.job_lifecycle import record_job_failure
 from rq.registry import StartedJobRegistry
@@ -28,8 +29,27 @@ def test_rq_is_the_pinned_minor_version() -> None:
 
 
 def test_private_and_execution_api_signatures() -> None:
-    finalize = inspect.signature(BaseWorker._finalize_success)
-    assert list(finalize.parameters)[:5] == ["self", "job", "queue", "execution", "return_value"]
+    # finish_job does what _finalize_success does, with a success callback that cannot fail the job
+    finalize = inspect.getsource(BaseWorker._finalize_success)
+    for step in (
+        "handle_execution_ended",
+        "job._result = ",
+        "job._status = JobStatus.FINISHED",
+        "execute_success_callback(job, self.death_penalty_class, return_value)",
+        "self.handle_job_success(",
+        "job.send_webhooks(JobStatus.FINISHED)",
+    ):
+        assert step in finalize, f"rq's _finalize_success no longer does {step!r}: update rqexec.finish_job"
+    success = inspect.signature(BaseWorker.handle_job_success)
+    assert list(success.parameters) == ["self", "job", "queue", "started_job_registry", "execution"]
+    # stop_job relies on rq's marker for "stopped on request": STOPPED, not retried
+    assert "self._stopped_job_id == job.id" in inspect.getsource(BaseWorker.handle_job_failure)
+    for runner, arguments in (
+        (execute_success_callback, ["job", "death_penalty_class", "result"]),
+        (execute_failure_callback, ["job", "death_penalty_class", "exc_info"]),
+        (execute_stopped_callback, ["job", "death_penalty_class"]),
+    ):
+        assert list(inspect.signature(runner).parameters) == arguments
     prepare = inspect.signature(BaseWorker.prepare_job_execution)
     assert "remove_from_intermediate_queue" in prepare.parameters
     assert "execution" in inspect.signature(BaseWorker.cleanup_execution).parameters

@@ -23,6 +23,7 @@ from producer.protocol import (
     FREE_BLOCKS_FIELD,
     HOT_AGENTS_FIELD,
     HOT_HITS_FIELD,
+    LATENCY_FIELD,
     MAX_BATCH_FIELD,
     MEMORY_FIELD,
     MODEL_FIELD,
@@ -34,6 +35,7 @@ from producer.protocol import (
     WAITING_FIELD,
     worker_alive_key,
 )
+from worker.latency import percentiles
 from worker.maintenance import clean_queues
 
 
@@ -140,11 +142,33 @@ def worker_lines(connection: Redis, worker: BaseWorker) -> list[str]:
     ]
     if fields.get(MEMORY_FIELD):
         lines.append(f"  memory: {memory_line(fields[MEMORY_FIELD])}")
+    if latency := latency_line(fields.get(LATENCY_FIELD)):
+        lines.append(f"  latency p50/p95: {latency}")
     if job_ids:
         listed = ", ".join(job_ids[:MAX_LISTED_JOBS])
         more = f" (+{len(job_ids) - MAX_LISTED_JOBS} more)" if len(job_ids) > MAX_LISTED_JOBS else ""
         lines.append(f"  jobs: {listed}{more}")
     return lines
+
+
+#: How `kvrq status` names each latency histogram, and its unit.
+LATENCY_LABELS = {
+    "queue_wait": ("queue wait", "s"),
+    "cache_load": ("cache load", "s"),
+    "first_token": ("first token", "s"),
+    "total": ("total", "s"),
+    "tokens_per_second": ("per job", "tokens/s"),
+}
+
+
+def latency_line(field: str | None) -> str:
+    """`queue wait 0.12/0.80 s, first token ...` from a worker's latency histograms ('' without jobs)."""
+    found = percentiles(field)
+    return ", ".join(
+        f"{label} {found[key][0]:.2f}/{found[key][1]:.2f} {unit}"
+        for key, (label, unit) in LATENCY_LABELS.items()
+        if key in found
+    )
 
 
 def memory_line(field: str) -> str:

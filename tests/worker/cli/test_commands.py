@@ -22,6 +22,7 @@ from producer.protocol import (
     FREE_BLOCKS_FIELD,
     HOT_AGENTS_FIELD,
     HOT_HITS_FIELD,
+    LATENCY_FIELD,
     MAX_BATCH_FIELD,
     MEMORY_FIELD,
     MODEL_FIELD,
@@ -35,6 +36,7 @@ from producer.protocol import (
 from tests.producer.fakes import fake_redis
 from tests.worker.harness import Harness
 from worker.cli import commands
+from worker.latency import LatencyHistograms
 
 
 @pytest.fixture
@@ -110,6 +112,10 @@ def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: py
     fields |= {HOT_AGENTS_FIELD: 3, CACHE_LOOKUPS_FIELD: 8, HOT_HITS_FIELD: 4, CACHE_HITS_FIELD: 6}
     fields |= {PROMPT_TOKENS_FIELD: 1000, REUSED_TOKENS_FIELD: 900}
     fields |= {MEMORY_FIELD: json.dumps({"rss": 1210.4, "mlx_active": 900.0, "hot_tier": 64.0})}
+    latency = LatencyHistograms()
+    for first_token in (0.3,) * 19 + (8.0,):
+        latency.observe({"first_token": first_token, "total": 20.0}, outcome="finished", cache="hit")
+    fields |= {LATENCY_FIELD: latency.field()}
     connection.hset(kvrq.key, mapping=fields)  # type: ignore[arg-type]
     connection.set(worker_alive_key("kvrq-w1"), "1")  # its liveness beacon
     Worker(["kvrq"], name="plain-w2", connection=connection, serializer="json").register_birth()
@@ -125,6 +131,10 @@ def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: py
     assert "prompt tokens reused 90%, queues kvrq, last heartbeat" in kvrq_line
     memory = lines[lines.index(kvrq_line) + 1]
     assert memory == "  memory: rss 1210 MB (hot tier 64, mlx active 900)"
+    # histogram_quantile: rank 10 of 19 in (0.25, 0.5], rank 19 its top; ranks 10 and 19 of 20 in (10, 25]
+    assert (
+        lines[lines.index(kvrq_line) + 2] == "  latency p50/p95: first token 0.38/0.50 s, total 17.50/24.25 s"
+    )
     plain_line = next(line for line in lines if line.startswith("worker plain-w2"))
     assert "plain rq worker, 0 execution(s)" in plain_line
 
