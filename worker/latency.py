@@ -18,7 +18,7 @@ from worker.held import HeldJob
 from worker.results import timings
 
 if TYPE_CHECKING:
-    from engine.results import Completion
+    from engine.core.results import Completion
 
 SECONDS_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 RATE_BOUNDS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
