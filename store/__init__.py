@@ -7,7 +7,7 @@ from store.agent_ids import InvalidAgentIdError, validate_agent_id
 from store.base import CacheInfo, CacheStore
 from store.disk import DiskStore
 from store.errors import BadCacheError, StoreError
-from store.factory import open_backend, open_store
+from store.factory import open_backend, open_for_admin, open_store
 from store.hot import HotTierStore
 from store.redis_store import RedisStore
 
@@ -21,6 +21,7 @@ __all__ = [
     "RedisStore",
     "StoreError",
     "open_backend",
+    "open_for_admin",
     "open_store",
     "validate_agent_id",
 ]

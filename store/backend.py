@@ -76,6 +76,7 @@ class Usage:
     # (name, bytes) of the shared blocks it uses: counted once however many agents use them,
     # freed with their last user.
     shared: tuple[tuple[str, int], ...] = ()
+    pinned: bool = False  # never evicted
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,14 @@ class BlockBackend(ABC):
 
     @abstractmethod
     def info(self, agent_id: str) -> CacheInfo | None: ...
+
+    @abstractmethod
+    def pin(self, agent_id: str) -> bool:
+        """Keep the agent's cache past the store's budget and TTL; False if there is none to pin."""
+
+    @abstractmethod
+    def unpin(self, agent_id: str) -> bool:
+        """Let budget and TTL apply to the agent again; False if it was not pinned."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -450,7 +459,8 @@ class BlockBackend(ABC):
             self.enforce_budget(keep=handle)
 
     def enforce_budget(self, keep: str | None = None) -> int:
-        """Evict least-recently-used agents (never `keep`) until the store fits max_bytes."""
+        """Evict least-recently-used agents (never `keep`, never a pinned one) until the store fits
+        max_bytes; pinned agents still count, so a store of pinned agents may stay over it."""
         if self.max_bytes is None:
             return 0
         entries = sorted(self._usage(), key=lambda entry: entry.last_used)
@@ -461,7 +471,7 @@ class BlockBackend(ABC):
         for entry in entries:
             if total <= self.max_bytes:
                 break
-            if entry.handle == keep:
+            if entry.handle == keep or entry.pinned:
                 continue
             users.subtract(name for name, _ in entry.shared)
             freed = entry.nbytes + sum(nbytes for name, nbytes in entry.shared if users[name] == 0)

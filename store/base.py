@@ -30,6 +30,10 @@ class CacheInfo:
     last_used: float  # unix time of the last get or put
     quantization: str
     n_blocks: int
+    shared_blocks: int = (
+        0  # of n_blocks: full blocks, in the shared area (once for all agents with those tokens)
+    )
+    pinned: bool = False  # never evicted by the store's budget or TTL (`kvrq cache pin`)
 
 
 @runtime_checkable

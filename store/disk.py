@@ -6,6 +6,7 @@ Layout under the root (docs/store-format.md):
     locks/<key>.lock                     one writer at a time per agent (flock)
     agents/<key[:2]>/<key>/manifest.safetensors
     agents/<key[:2]>/<key>/blocks/<chain>.<generation>.safetensors
+    agents/<key[:2]>/<key>/pinned        present while the agent is pinned (no budget, no TTL)
 
 `<key>` is a hash of the agent id, so no id can name a path. Every file is written
 to a temporary name, fsynced, then renamed; the manifest goes last, so readers see
@@ -51,6 +52,7 @@ from store.manifest import (
 MARKER = "kvrq-store.json"
 _MARKER_CONTENT = {"format": "kvrq-store", "layout": 1}
 MANIFEST = "manifest.safetensors"
+PIN = "pinned"
 _SUFFIX = ".safetensors"
 _IOV_MAX = 512  # pieces per writev call (the OS limit is 1024 on Linux)
 
@@ -130,21 +132,26 @@ class DiskStore(BlockBackend):
         key = agent_key(agent_id)
         path = self._dir(key) / MANIFEST
         try:
-            if self._expired(path.stat().st_mtime):
+            if self._expired(key, path.stat().st_mtime):
                 self._expire(key)
                 return None
             return _read_file(path)
         except FileNotFoundError:
             return None
 
-    def _expired(self, last_used: float) -> bool:
-        return self.ttl_s is not None and time.time() - last_used > self.ttl_s
+    def _expired(self, key: str, last_used: float) -> bool:
+        if self.ttl_s is None or time.time() - last_used <= self.ttl_s:
+            return False
+        return not self._pinned(key)
+
+    def _pinned(self, key: str) -> bool:
+        return (self._dir(key) / PIN).exists()
 
     def _expire(self, key: str) -> None:
         """Remove an agent unused for longer than ttl_s (re-checked under its lock)."""
         with self._locked(key):
             try:
-                if not self._expired((self._dir(key) / MANIFEST).stat().st_mtime):
+                if not self._expired(key, (self._dir(key) / MANIFEST).stat().st_mtime):
                     return
             except FileNotFoundError:
                 return
@@ -411,7 +418,8 @@ class DiskStore(BlockBackend):
             summary = summarize_manifest(blob)
         except (FileNotFoundError, BadCacheError):
             return None
-        if summary.agent_id != agent_id or self._expired(last_used):
+        key = agent_key(agent_id)
+        if summary.agent_id != agent_id or self._expired(key, last_used):
             return None
         return CacheInfo(
             agent_id=agent_id,
@@ -420,7 +428,25 @@ class DiskStore(BlockBackend):
             last_used=last_used,
             quantization=summary.quantization,
             n_blocks=summary.n_blocks,
+            shared_blocks=sum(1 for name, _ in summary.blocks if parse_shared_name(name)),
+            pinned=self._pinned(key),
         )
+
+    def pin(self, agent_id: str) -> bool:
+        key = agent_key(validate_agent_id(agent_id))
+        with self._locked(key):  # a delete or an expiry of this agent runs under the same lock
+            if not (self._dir(key) / MANIFEST).exists():
+                return False
+            _write_atomic(self._dir(key) / PIN, [b""], fsync=self.fsync)
+        return True
+
+    def unpin(self, agent_id: str) -> bool:
+        key = agent_key(validate_agent_id(agent_id))
+        try:
+            os.unlink(self._dir(key) / PIN)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _usage(self) -> builtins.list[Usage]:
         usage = []
@@ -430,14 +456,15 @@ class DiskStore(BlockBackend):
                 last_used = path.stat().st_mtime
             except FileNotFoundError:
                 continue  # being written for the first time, or deleted meanwhile
-            if self._expired(last_used):
+            if self._expired(key, last_used):
                 self._expire(key)
                 continue
             try:
                 summary = summarize_manifest(blob)
                 shared = tuple((name, n) for name, n in summary.blocks if parse_shared_name(name))
                 own = summary.block_bytes - sum(n for _, n in shared)
-                usage.append(Usage(key, summary.agent_id, own + len(blob), last_used, shared))
+                pinned = self._pinned(key)
+                usage.append(Usage(key, summary.agent_id, own + len(blob), last_used, shared, pinned))
             except BadCacheError:
                 # A damaged cache still takes space: count what its directory holds.
                 usage.append(Usage(key, None, _tree_bytes(path.parent), last_used))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from engine.core.spec import ModelCacheSpec
 from store.backend import DEFAULT_NAMESPACE, BlockBackend
-from store.disk import DiskStore
+from store.disk import MARKER, DiskStore
+from store.errors import StoreError
 from store.hot import HotTierStore
 from store.quant import Quantization
 from store.redis_store import DEFAULT_PREFIX, RedisStore
@@ -56,6 +58,31 @@ def open_backend(
         )
     shown = re.sub(r"//.*@", "//***@", uri)  # a mistyped Redis URL may hold a password: never echo it
     raise ValueError(f"unknown store URI {shown!r}: use disk:PATH, redis or redis://HOST:PORT/DB")
+
+
+#: The spec of a backend opened to administer caches (list, info, delete, pin, unpin): those read
+#: manifests only, never KV, so they need no model. get and put refuse every cache with it.
+ADMIN_SPEC = ModelCacheSpec(
+    model_name="(cache administration)",
+    n_layers=0,
+    layers=(),
+    n_kv_heads=0,
+    k_head_dim=0,
+    v_head_dim=0,
+    dtype="float32",
+)
+
+
+def open_for_admin(uri: str, *, prefix: str = DEFAULT_PREFIX) -> BlockBackend:
+    """The backend named by `uri` for `kvrq cache` and programs: list, info, delete, pin, unpin.
+
+    A disk path that holds no kvrq store is refused (StoreError) rather than created.
+    """
+    if uri.startswith("disk:"):
+        path = Path(uri.removeprefix("disk:")).expanduser()
+        if not (path / MARKER).is_file():
+            raise StoreError(f"no kvrq store at {path} (no {MARKER}): check --store")
+    return open_backend(uri, ADMIN_SPEC, prefix=prefix)
 
 
 def open_store(

@@ -8,6 +8,8 @@ Keys, all under one prefix (default `kvrq:cache:`), `<key>` a hash of the agent 
     <prefix>index                sorted set: agent id -> last used (unix time)
     <prefix>sizes                hash: agent id -> bytes of its own (manifest, blocks no other agent uses)
     <prefix>links                hash: agent id -> the shared blocks it uses, "<name>:<bytes>,..."
+    <prefix>pinned               set: pinned agent ids (no budget eviction; with a TTL, their keys
+                                 and those of the shared blocks they use are kept without expiry)
 
 A put writes its new blocks first (pipelined, each with a provisional expiry so a
 crashed writer leaves nothing behind for long), then in one MULTI/EXEC guarded by
@@ -128,6 +130,7 @@ class RedisStore(BlockBackend):
         self._index = f"{prefix}index"
         self._sizes = f"{prefix}sizes"
         self._links = f"{prefix}links"
+        self._pinned = f"{prefix}pinned"
         self._scripting: bool | None = None  # whether the server runs Lua (fakeredis without lupa does not)
 
     # --- keys ----------------------------------------------------------------------------------
@@ -233,6 +236,11 @@ class RedisStore(BlockBackend):
         return fetched
 
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
+        if self.ttl_s is not None and self._client.scard(self._pinned):
+            self._client.zadd(self._index, {agent_id: time.time()}, xx=True)
+            blocks = [(ref.name, ref.nbytes) for ref in manifest.blocks]
+            self._hold_pinned(agent_id, blocks, manifest.part_bytes, slide=True)
+            return
         pipe = self._client.pipeline(transaction=False)
         pipe.zadd(self._index, {agent_id: time.time()}, xx=True)
         if self.ttl_s is not None:  # sliding expiry: the whole cache lives ttl_s past its last use
@@ -245,6 +253,72 @@ class RedisStore(BlockBackend):
                     pipe.expire(self._refs_key(ref.name), self.ttl_s)
                     pipe.expire(self._pointer_key(parsed[0]), self.ttl_s)
         pipe.execute()
+
+    def _hold_pinned(
+        self, agent_id: str, blocks: Sequence[tuple[str, int]], part_bytes: int, *, slide: bool = False
+    ) -> None:
+        """With a TTL and pinned agents: the keys a pinned agent needs (its own, and the shared blocks
+        it uses, whoever touches them) lose their expiry; with `slide` the others get ttl_s again."""
+        assert self.ttl_s is not None
+        pinned = {_text(member) for member in self._client.smembers(self._pinned)}
+        shared = [(name, nbytes) for name, nbytes in blocks if parse_shared_name(name) is not None]
+        pipe = self._client.pipeline(transaction=False)
+        for name, _ in shared:
+            pipe.smembers(self._refs_key(name))
+        users = pipe.execute()
+        held = agent_id in pinned
+        own = [self._mkey(agent_id)]
+        for name, nbytes in blocks:
+            if parse_shared_name(name) is None:
+                own += self._part_keys(agent_id, name, nbytes, part_bytes)
+        groups = [(own, held)]
+        for (name, nbytes), refs in zip(shared, users, strict=True):
+            keys = [*self._part_keys(agent_id, name, nbytes, part_bytes), self._refs_key(name)]
+            keys.append(self._pointer_key(name.partition(".")[0]))
+            groups.append((keys, held or bool(pinned & {_text(user) for user in refs})))
+        pipe = self._client.pipeline(transaction=False)
+        for keys, keep in groups:
+            for key in keys:
+                if keep:
+                    pipe.persist(key)
+                elif slide:
+                    pipe.expire(key, self.ttl_s)
+        pipe.execute()
+
+    def _stored_refs(self, agent_id: str) -> tuple[builtins.list[tuple[str, int]], int] | None:
+        """(block name, bytes) of the agent's stored cache and its part size; no model needed."""
+        blob = _as_blob(self._client.get(self._mkey(agent_id)))
+        if blob is None:
+            return None
+        try:
+            summary = summarize_manifest(blob)
+        except BadCacheError:
+            return None
+        return list(summary.blocks), summary.part_bytes
+
+    def _after_put(self, handle: str, nbytes: int) -> None:
+        if self.ttl_s is not None and self._client.scard(self._pinned):
+            stored = self._stored_refs(handle)  # the commit gave every key ttl_s
+            if stored is not None:
+                self._hold_pinned(handle, *stored)
+        super()._after_put(handle, nbytes)
+
+    def pin(self, agent_id: str) -> bool:
+        stored = self._stored_refs(validate_agent_id(agent_id))
+        if stored is None:
+            return False
+        self._client.sadd(self._pinned, agent_id)
+        if self.ttl_s is not None:
+            self._hold_pinned(agent_id, *stored)
+        return True
+
+    def unpin(self, agent_id: str) -> bool:
+        if not self._client.srem(self._pinned, validate_agent_id(agent_id)):
+            return False
+        stored = self._stored_refs(agent_id)
+        if stored is not None and self.ttl_s is not None:
+            self._hold_pinned(agent_id, *stored, slide=True)  # its keys expire ttl_s from now
+        return True
 
     # --- writes --------------------------------------------------------------------------------
     def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
@@ -630,6 +704,7 @@ class RedisStore(BlockBackend):
                 tx.zrem(self._index, handle)
                 tx.hdel(self._sizes, handle)
                 tx.hdel(self._links, handle)
+                tx.srem(self._pinned, handle)
                 released = [(ref, part_bytes) for ref in shared]
                 self._queue_release(tx, handle, released, scripted)
                 try:
@@ -670,6 +745,8 @@ class RedisStore(BlockBackend):
             last_used=float(score) if score is not None else 0.0,
             quantization=summary.quantization,
             n_blocks=summary.n_blocks,
+            shared_blocks=sum(1 for name, _ in summary.blocks if parse_shared_name(name)),
+            pinned=bool(self._client.sismember(self._pinned, agent_id)),
         )
 
     def _usage(self) -> builtins.list[Usage]:
@@ -683,13 +760,18 @@ class RedisStore(BlockBackend):
             pipe.exists(self._mkey(agent_id))
         pipe.hmget(self._sizes, ids)
         pipe.hmget(self._links, ids)
-        *exists, sizes, links = pipe.execute()
+        pipe.smembers(self._pinned)
+        *exists, sizes, links, pinned_ids = pipe.execute()
+        pinned = {_text(member) for member in pinned_ids}
         usage, gone = [], []
         for agent_id, (_member, score), present, size, linked in zip(
             ids, members, exists, sizes, links, strict=True
         ):
             if present:
-                usage.append(Usage(agent_id, agent_id, int(size or 0), float(score), _parse_links(linked)))
+                shared = _parse_links(linked)
+                usage.append(
+                    Usage(agent_id, agent_id, int(size or 0), float(score), shared, agent_id in pinned)
+                )
             else:
                 gone.append(agent_id)
         if gone:
@@ -697,12 +779,17 @@ class RedisStore(BlockBackend):
             pipe.zrem(self._index, *gone)
             pipe.hdel(self._sizes, *gone)
             pipe.hdel(self._links, *gone)
+            pipe.srem(self._pinned, *gone)
             pipe.execute()
         return usage
 
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _parse_links(value: bytes | str | None) -> tuple[tuple[str, int], ...]:

@@ -1,4 +1,4 @@
-"""`kvrq`: worker, generate, status, maintenance, demo, batch, up, dashboard.
+"""`kvrq`: worker, generate, status, maintenance, demo, batch, up, dashboard, cache.
 
 Only `kvrq worker` imports MLX (engine, store), and only once it runs: the other commands
 are Redis clients and start at once.
@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.cli.stack import add_stack_commands
 
     add_stack_commands(commands)
+
+    from worker.cli.cache import add_cache_commands
+
+    add_cache_commands(commands)
     return parser
 
 
