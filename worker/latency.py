@@ -4,7 +4,8 @@ Kept as plain bucket counts (prometheus_client is optional: `kvrq[metrics]`), la
 the job ended and whether it resumed from a saved cache. The metrics endpoint serves them as
 Prometheus histograms (worker/metrics.py); the worker's rq hash carries them summed over the
 labels (LATENCY_FIELD, each heartbeat), from which `kvrq status` prints p50/p95 per worker with
-the interpolation PromQL's `histogram_quantile` uses, so both agree.
+the interpolation PromQL's `histogram_quantile` uses, so both agree. What one job contributes:
+worker/results.py (`job_observations`). No engine import: `kvrq status` reads this module.
 """
 
 from __future__ import annotations
@@ -12,13 +13,7 @@ from __future__ import annotations
 import bisect
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-from worker.held import HeldJob
-from worker.results import timings
-
-if TYPE_CHECKING:
-    from engine.core.results import Completion
+from typing import Literal
 
 SECONDS_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 RATE_BOUNDS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
@@ -53,27 +48,6 @@ HISTOGRAMS = {
     ),
 }
 Observations = dict[str, float | None]
-
-
-def job_observations(held: HeldJob, completion: Completion | None, ended: float) -> Observations:
-    """One ended job's values (None where it never got there: no first token, never admitted)."""
-    times = timings(held, completion, ended)
-    admitted = held.admitted_at is not None
-    generated = len(completion.token_ids) if completion is not None else held.generated
-    in_engine = ended - held.admitted_at if held.admitted_at is not None else 0.0
-    return {
-        "queue_wait": times.queued_s if admitted else None,
-        "cache_load": times.cache_load_s if admitted and held.agent_id is not None else None,
-        "first_token": times.time_to_first_token_s,
-        "total": times.total_s,
-        "tokens_per_second": generated / in_engine if generated and in_engine > 0 else None,
-    }
-
-
-def cache_label(held: HeldJob) -> CacheLabel:
-    if held.cache_hit is None:
-        return "none"
-    return "hit" if held.cache_hit else "miss"
 
 
 class LatencyHistograms:

@@ -65,7 +65,7 @@ from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
 from worker.held import HeldJob
 from worker.jobs import JobRejected, request_from_job, sampling_of
-from worker.latency import LatencyHistograms, cache_label, job_observations
+from worker.latency import LatencyHistograms
 from worker.liveness import LivenessBeacon
 from worker.maintenance import clean_queues, rerun_crashed
 from worker.memory import memory_field
@@ -73,7 +73,7 @@ from worker.outcomes import COUNTERS, Canceled, Failed, Finished, HandedBack, Ou
 from worker.ports import Engine, Store
 from worker.prompts import PromptError, prompt_tokens
 from worker.publisher import Publisher
-from worker.results import build_result
+from worker.results import build_result, cache_label, job_observations
 from worker.scheduled import ScheduledJobs
 from worker.scheduler import Scheduler
 from worker.settings import WorkerSettings

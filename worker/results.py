@@ -1,4 +1,5 @@
-"""Build a job's GenerationResult (its rq return value) from the engine's Completion."""
+"""Build a job's GenerationResult (its rq return value) from the engine's Completion, and its
+figures for the latency histograms."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from producer.models import GenerationResult, Timings, Usage
 from worker.held import HeldJob
+from worker.latency import CacheLabel, Observations
 
 if TYPE_CHECKING:
     from engine.core.results import Completion
@@ -42,3 +44,25 @@ def build_result(held: HeldJob, completion: Completion, *, model: str, worker: s
         worker=worker,
     )
     return result.model_dump(mode="json")
+
+
+def job_observations(held: HeldJob, completion: Completion | None, ended: float) -> Observations:
+    """One ended job's values (None where it never got there: no first token, never admitted)."""
+    times = timings(held, completion, ended)
+    admitted = held.admitted_at is not None
+    generated = len(completion.token_ids) if completion is not None else held.generated
+    in_engine = ended - held.admitted_at if held.admitted_at is not None else 0.0
+    return {
+        "queue_wait": times.queued_s if admitted else None,
+        "cache_load": times.cache_load_s if held.cache_hit is not None else None,  # an agent, a store
+        "first_token": times.time_to_first_token_s,
+        "total": times.total_s,
+        "tokens_per_second": generated / in_engine if generated and in_engine > 0 else None,
+    }
+
+
+def cache_label(held: HeldJob) -> CacheLabel:
+    """The histograms' `cache` label of an ended job (worker/latency.py)."""
+    if held.cache_hit is None:
+        return "none"
+    return "hit" if held.cache_hit else "miss"

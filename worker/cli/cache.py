@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from store.agent_ids import InvalidAgentIdError
-from store.backend import BlockBackend
-from store.base import CacheInfo
-from store.errors import StoreError
 from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:  # the store is imported when a cache command runs, not when the CLI starts
+    from store.backend import BlockBackend
+    from store.base import CacheInfo
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -48,6 +48,8 @@ def add_cache_commands(commands: argparse._SubParsersAction) -> None:
 def run_cache_command(
     args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None
 ) -> int:
+    from store.agent_ids import InvalidAgentIdError
+    from store.errors import StoreError
     from store.factory import open_for_admin
 
     out, err = out or sys.stdout, err or sys.stderr
