@@ -42,6 +42,11 @@ def test_private_and_execution_api_signatures() -> None:
         assert step in finalize, f"rq's _finalize_success no longer does {step!r}: update rqexec.finish_job"
     success = inspect.signature(BaseWorker.handle_job_success)
     assert list(success.parameters) == ["self", "job", "queue", "started_job_registry", "execution"]
+    # fail_job shows a failure callback the job as FAILED, as rq's _finalize_failure does
+    finalize_failure = inspect.getsource(BaseWorker._finalize_failure)
+    assert finalize_failure.index("job._status = JobStatus.FAILED") < finalize_failure.index(
+        "execute_failure_callback("
+    )
     # stop_job relies on rq's marker for "stopped on request": STOPPED, not retried
     assert "self._stopped_job_id == job.id" in inspect.getsource(BaseWorker.handle_job_failure)
     for runner, arguments in (
