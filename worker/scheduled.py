@@ -54,15 +54,10 @@ class ScheduledJobs:
         if not self._born:
             scheduler.register_birth()
             self._born = True
-        before = self.locked_queues
-        if before != self._wanted:
-            scheduler.acquire_locks()  # acquires free locks, refreshes ours (one script call per queue)
+        if self.locked_queues != self._wanted:
+            scheduler.acquire_locks()  # takes free locks (rq logs it), refreshes ours: one script call each
         else:
             scheduler.heartbeat()
-        if self.locked_queues - before:
-            log.info(
-                "scheduling jobs of queue(s) %s (rq's scheduler lock)", sorted(self.locked_queues - before)
-            )
         if scheduler.acquired_locks:
             scheduler.enqueue_scheduled_jobs()
         self.next_run = (time.monotonic() if now is None else now) + self.interval
