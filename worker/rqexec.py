@@ -2,11 +2,11 @@
 
 rq's own workers run one job at a time in a forked horse; this worker runs them all in one
 engine loop, so it drives rq's execution API itself. Every use of rq internals in kvrq is
-in this module (private: `job._result` / `job._status` in `finish_job` as rq's
-`_finalize_success` sets them, rq's `_stopped_job_id` marker in `stop_job`, the pubsub thread's
-`_pubsub_exception_handler` override; the registry and execution layouts through rq's own
-classes; callbacks through rq's own `execute_*_callback`); pyproject pins rq
-to 3.0.x and tests/worker/test_rqexec.py fails loudly when the pinned rq changes them.
+in this module (private: `job._result` / `job._status` in `finish_job` and `fail_job`, as
+rq's `_finalize_success` / `_finalize_failure` set them; rq's `_stopped_job_id` marker in
+`stop_job`; the pubsub thread's `_pubsub_exception_handler` override; the registry and
+execution layouts through rq's own classes; callbacks through rq's own `execute_*_callback`);
+pyproject pins rq to 3.0.x and tests/worker/test_rqexec.py fails loudly when the pinned rq changes them.
 """
 
 from __future__ import annotations

@@ -91,9 +91,9 @@ def test_a_retry_with_an_interval_is_scheduled_on_the_shared_queue(connection: R
 
 
 @pytest.mark.integration
-def test_a_job_failed_past_its_crash_budget_gets_its_failure_callback_and_releases_tolerant_dependents(
-    connection: Redis,
-) -> None:
+def test_a_dead_workers_jobs_and_their_dependents(connection: Redis) -> None:
+    """Past its crash budget a job fails with its on_failure callback (rq's AbandonedJobError) and its
+    failure-tolerant dependents run; a job re-run after the crash has not ended: its dependents wait."""
     queue = Queue("q", connection=connection, serializer="json")
     parent = queue.enqueue(
         JOB_FUNCTION, PAYLOAD, meta={CRASH_BUDGET_META_KEY: 0}, on_failure=Callback(f"{FUNCTIONS}.on_failure")
@@ -103,10 +103,14 @@ def test_a_job_failed_past_its_crash_budget_gets_its_failure_callback_and_releas
     dead = rqexec.KvrqWorker(["q"], connection=connection, name="dead-worker")
     dead.register_birth()
     connection.hset(dead.key, CAPACITY_FIELD, 1)  # a kvrq worker, whose liveness key is gone
-    dequeued, _ = Queue.dequeue_any([queue], None, connection=connection, serializer="json")  # type: ignore[misc]
-    rqexec.start_job(dead, dequeued, queue)
+    rerun = queue.enqueue(JOB_FUNCTION, PAYLOAD)  # a crash budget left: re-run, not ended
+    waiting = queue.enqueue(JOB_FUNCTION, PAYLOAD, depends_on=Dependency(jobs=[rerun], allow_failure=True))
+    for _ in range(2):
+        dequeued, _ = Queue.dequeue_any([queue], None, connection=connection, serializer="json")  # type: ignore[misc]
+        rqexec.start_job(dead, dequeued, queue)
     report = rerun_crashed(connection, ["q"])
-    assert report.crashed == {"q": [parent.id]}
+    assert report.crashed == {"q": [parent.id]} and report.rerun == {"q": [rerun.id]}
+    assert (rerun.get_status(), waiting.get_status()) == (JobStatus.QUEUED, JobStatus.DEFERRED)
     assert parent.get_status() == JobStatus.FAILED
     assert calls(connection, parent.id) == [
         {"kind": "failure", "status": "started", "exc_type": "AbandonedJobError"}
