@@ -8,7 +8,16 @@ from producer.client import (
     Producer,
     ResultTimeoutError,
 )
-from producer.models import ChatMessage, GenerationRequest, GenerationResult, Timings, Usage
+from producer.models import (
+    ChatMessage,
+    GenerationRequest,
+    GenerationResult,
+    Timings,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    Usage,
+)
 from producer.protocol import DEFAULT_QUEUE, JOB_FUNCTION
 
 __all__ = [
@@ -24,5 +33,8 @@ __all__ = [
     "Producer",
     "ResultTimeoutError",
     "Timings",
+    "TokenLogprob",
+    "Tool",
+    "ToolCall",
     "Usage",
 ]
