@@ -18,8 +18,10 @@ from typing import Any, Protocol
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine.batch.ragged import RaggedBatchGenerator
-from engine.batch.sampling import Sampler
+from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.core.blocks import AgentCache
+from engine.core.params import LogitsProcessor
+from engine.core.results import TokenLogprobs
 from engine.core.spec import ModelCacheSpec
 from engine.kv.arena import KVArena
 from engine.kv.buffers import round_up
@@ -31,6 +33,7 @@ class GeneratedToken:
     uid: int
     token: int
     finish_reason: str | None  # "stop" (a stop token), "length", or None while running
+    logprobs: TokenLogprobs | None = None  # for sequences that asked for them
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,12 @@ class Backend(Protocol):
         max_tokens: int,
         sampler: Sampler | None,
         stop_token_ids: frozenset[int],
-    ) -> int: ...
+        processors: list[LogitsProcessor] | None = None,
+        top_logprobs: int | None = None,
+    ) -> int:
+        """`processors` (mlx-lm's signature) touch this sequence's logits only; `top_logprobs` (not
+        None) asks for each token's log probability and that many best tokens of its step."""
+        ...
 
     def step(self) -> list[GeneratedToken]: ...
 
@@ -84,6 +92,8 @@ class RaggedBackend:
         max_tokens: int,
         sampler: Sampler | None,
         stop_token_ids: frozenset[int],
+        processors: list[LogitsProcessor] | None = None,
+        top_logprobs: int | None = None,
     ) -> int:
         # Room for the prompt and a block of output; longer outputs grow 256 tokens at a time.
         capacity = len(prompt) + min(max_tokens, self.spec.block_tokens)
@@ -98,6 +108,8 @@ class RaggedBackend:
             max_tokens=max_tokens,
             sampler=sampler,
             stop_token_ids=stop_token_ids,
+            processors=processors,
+            top_logprobs=top_logprobs,
         )
 
     def _empty_layers(self, capacity: int) -> list[Any]:
@@ -111,7 +123,7 @@ class RaggedBackend:
         return layers
 
     def step(self) -> list[GeneratedToken]:
-        return [GeneratedToken(t.uid, t.token, t.finish_reason) for t in self.generator.step()]
+        return [GeneratedToken(t.uid, t.token, t.finish_reason, t.logprobs) for t in self.generator.step()]
 
     def finish(self, uid: int, want_kv: bool) -> FinishedKV | None:
         row = self.generator.remove(uid)
@@ -146,6 +158,8 @@ class MlxBatchBackend:
             prefill_step_size=prefill_step_size,
         )
         self._finished: dict[int, FinishedKV | None] = {}  # ended by the generator itself
+        self._top_logprobs: dict[int, int] = {}  # uid -> top count, for sequences that asked for logprobs
+        self._processors: dict[int, list[LogitsProcessor]] = {}  # uid -> processors that may end a row
 
     def insert(
         self,
@@ -156,6 +170,8 @@ class MlxBatchBackend:
         max_tokens: int,
         sampler: Sampler | None,
         stop_token_ids: frozenset[int],
+        processors: list[LogitsProcessor] | None = None,
+        top_logprobs: int | None = None,
     ) -> int:
         layer_caches = [blocks_to_caches(cache, reused)] if cache is not None and reused > 0 else None
         (uid,) = self.generator.insert(
@@ -164,32 +180,55 @@ class MlxBatchBackend:
             caches=layer_caches,
             all_tokens=[prompt[:reused]],
             samplers=[sampler],  # type: ignore[list-item]
+            logits_processors=[list(processors or ())],
             stop_sequences=[StopSequences([[t] for t in sorted(stop_token_ids)])],
         )
+        self._follow(int(uid), processors, top_logprobs)
         return int(uid)
+
+    def _follow(self, uid: int, processors: list[LogitsProcessor] | None, top_logprobs: int | None) -> None:
+        """Remember what step() must do for this sequence beyond mlx-lm's own."""
+        if top_logprobs is not None:
+            self._top_logprobs[uid] = top_logprobs
+        if any(hasattr(p, "ends_row") for p in processors or ()):
+            self._processors[uid] = list(processors or ())
 
     def step(self) -> list[GeneratedToken]:
         _, responses = self.generator.next()
-        out = []
-        for response in responses:
-            if response.finish_reason is not None:
-                cache = response.prompt_cache
-                kv = None if cache is None else FinishedKV(cache, list(response.all_tokens))
-                self._finished[response.uid] = kv
-            reason = None if response.finish_reason is None else str(response.finish_reason)
-            out.append(GeneratedToken(response.uid, int(response.token), reason))
-        return out
+        return [self._generated(response) for response in responses]
+
+    def _generated(self, response: Any) -> GeneratedToken:
+        """One response of the generator as a token: its ending (the generator's, or a processor's
+        that ends the row) and its logprobs when the sequence asked for them."""
+        uid, token = int(response.uid), int(response.token)
+        reason = None if response.finish_reason is None else str(response.finish_reason)
+        processors = self._processors.get(uid)
+        if reason is None and processors and ends_row(processors, token):
+            reason = "stop"
+            self._finished[uid] = self._extract(uid)
+        elif reason is not None:
+            cache = response.prompt_cache
+            self._finished[uid] = None if cache is None else FinishedKV(cache, list(response.all_tokens))
+        logprobs = None
+        if (top := self._top_logprobs.get(uid)) is not None:
+            (logprobs,) = token_logprobs(response.logprobs[None], [token], top)
+        return GeneratedToken(uid, token, reason, logprobs)
+
+    def _extract(self, uid: int) -> FinishedKV:
+        extracted = self.generator.remove([uid], return_prompt_caches=True)
+        layers, tokens = extracted[uid]
+        return FinishedKV(layers, list(tokens))
 
     def finish(self, uid: int, want_kv: bool) -> FinishedKV | None:
+        self._top_logprobs.pop(uid, None)
+        self._processors.pop(uid, None)
         if uid in self._finished:
             done = self._finished.pop(uid)
             return done if want_kv else None
         if not want_kv:
             self.generator.remove([uid])
             return None
-        extracted = self.generator.remove([uid], return_prompt_caches=True)
-        layers, tokens = extracted[uid]
-        return FinishedKV(layers, list(tokens))
+        return self._extract(uid)
 
     def release(self, kv: FinishedKV) -> None:
         pass  # the batch cache is BatchGenerator's own

@@ -19,6 +19,7 @@ from mlx_lm.generate import StopSequences
 from engine.batch.backends import FinishedKV, GeneratedToken, MlxBatchBackend
 from engine.batch.sampling import Sampler
 from engine.core.blocks import AgentCache
+from engine.core.params import LogitsProcessor
 from engine.core.spec import ModelCacheSpec
 from engine.kv.convert import blocks_to_caches
 from engine.kv.layered import Checkpoint, take_checkpoint
@@ -40,6 +41,8 @@ class CheckpointingBatchBackend(MlxBatchBackend):
         max_tokens: int,
         sampler: Sampler | None,
         stop_token_ids: frozenset[int],
+        processors: list[LogitsProcessor] | None = None,
+        top_logprobs: int | None = None,
     ) -> int:
         layer_caches = [blocks_to_caches(cache, reused)] if cache is not None and reused > 0 else None
         (uid,) = self.generator.insert_segments(
@@ -48,9 +51,11 @@ class CheckpointingBatchBackend(MlxBatchBackend):
             caches=layer_caches,
             all_tokens=[prompt[:reused]],
             samplers=[sampler],  # type: ignore[list-item]
+            logits_processors=[list(processors or ())],
             stop_sequences=[StopSequences([[t] for t in sorted(stop_token_ids)])],
         )
         uid = int(uid)
+        self._follow(uid, processors, top_logprobs)
         self._checkpoints[uid] = inherited_checkpoints(cache, reused) if cache is not None else {}
         self._covered[uid] = len(prompt)
         return uid
@@ -63,16 +68,11 @@ class CheckpointingBatchBackend(MlxBatchBackend):
         out = []
         for response in responses:
             uid = int(response.uid)
-            if response.finish_reason is not None:
-                cache = response.prompt_cache
-                kv = None if cache is None else FinishedKV(cache, list(response.all_tokens))
-                self._finished[uid] = kv
-            elif uid in self._covered:
+            if response.finish_reason is None and uid in self._covered:
                 self._covered[uid] += 1
                 if self._covered[uid] % self.spec.block_tokens == 0:
                     self._checkpoint(uid)
-            reason = None if response.finish_reason is None else str(response.finish_reason)
-            out.append(GeneratedToken(uid, int(response.token), reason))
+            out.append(self._generated(response))
         return out
 
     def _checkpoint(self, uid: int) -> None:

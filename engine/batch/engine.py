@@ -23,13 +23,13 @@ import mlx.core as mx
 from engine.batch.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend
 from engine.batch.checkpoints import CheckpointingBatchBackend
 from engine.batch.ragged import route_attention
-from engine.batch.sampling import make_sampler
+from engine.batch.sampling import make_processors, make_sampler
 from engine.batch.textstream import TextStream
 from engine.core.admission import Admission
 from engine.core.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.core.errors import InvalidRequestError
 from engine.core.params import SamplingParams
-from engine.core.results import Completion, FinishReason, StepOutput, TokenDelta, Usage
+from engine.core.results import Completion, FinishReason, StepOutput, TokenDelta, TokenLogprobs, Usage
 from engine.core.spec import ModelCacheSpec
 from engine.kv.arena import KVArena
 from engine.kv.buffers import keep_buffers_resident
@@ -58,6 +58,7 @@ class _Sequence:
     submitted_at: float
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    logprobs: list[TokenLogprobs] | None = None  # None: not asked for
 
 
 @dataclass
@@ -213,6 +214,8 @@ class BlockPoolBatchEngine:
                 max_tokens=params.max_tokens,
                 sampler=make_sampler(params),
                 stop_token_ids=stop_ids,
+                processors=make_processors(params),
+                top_logprobs=params.top_logprobs if params.logprobs else None,
             )
         except BaseException:
             self.pool.free(owner)
@@ -227,6 +230,7 @@ class BlockPoolBatchEngine:
             keep_cache=keep_cache,
             text=TextStream(self.tokenizer, tuple(params.stop)),
             submitted_at=time.perf_counter(),
+            logprobs=[] if params.logprobs else None,
         )
         return uid
 
@@ -240,7 +244,7 @@ class BlockPoolBatchEngine:
             raise InvalidRequestError("prompt tokens must be integers")
         if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
-        params.validate()
+        params.validate(self.vocab_size)
         beyond_context = self._beyond_context(len(prompt), params.max_tokens)
         if beyond_context:
             raise InvalidRequestError(beyond_context)
@@ -281,6 +285,8 @@ class BlockPoolBatchEngine:
             if not ends_on_stop_token:
                 seq.generated.append(token)
                 delta = seq.text.add(token)
+                if seq.logprobs is not None and item.logprobs is not None:
+                    seq.logprobs.append(item.logprobs)
             completion = None
             if item.finish_reason is not None:
                 delta += seq.text.finish()
@@ -291,7 +297,7 @@ class BlockPoolBatchEngine:
                 completion = self._finish(seq, "stop")
             if completion is not None:
                 output.completions.append(completion)
-            output.deltas.append(TokenDelta(seq.uid, token, delta))
+            output.deltas.append(TokenDelta(seq.uid, token, delta, item.logprobs))
 
     def cancel(self, uid: int) -> Completion | None:
         """Stop a sequence now and free its blocks; None if it is not running."""
@@ -352,6 +358,7 @@ class BlockPoolBatchEngine:
             if seq.first_token_at is None
             else seq.first_token_at - seq.submitted_at,
             total_time_s=now - seq.submitted_at,
+            logprobs=seq.logprobs,
         )
 
     def _cut_into_blocks(self, kv: FinishedKV) -> AgentCache:

@@ -40,8 +40,10 @@ import mlx.core as mx
 
 from engine.batch import acceleration
 from engine.batch.attention import AttentionCall
-from engine.batch.sampling import Sampler
+from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
+from engine.core.params import LogitsProcessor
+from engine.core.results import TokenLogprobs
 
 # Model modules whose attention goes through base.scaled_dot_product_attention with
 # rope(offset=cache.offset) and cache.update_and_fetch, checked by tests on tiny models.
@@ -177,6 +179,14 @@ class Row:
     stop_token_ids: frozenset[int]
     inserted_step: int
     sampled: list[int] = field(default_factory=list)
+    processors: list[LogitsProcessor] = field(default_factory=list)  # this row's own, mlx-lm's signature
+    top_logprobs: int | None = None  # None: no logprobs; else how many best tokens besides the chosen
+    ended: bool = False  # a processor ended the row on its last token
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to process or report: the batch's one shared argmax serves it."""
+        return self.sampler is None and not self.processors and self.top_logprobs is None
 
     @property
     def length(self) -> int:
@@ -190,7 +200,7 @@ class Row:
     @property
     def finished(self) -> bool:
         return bool(self.sampled) and (
-            len(self.sampled) >= self.max_tokens or self.sampled[-1] in self.stop_token_ids
+            self.ended or len(self.sampled) >= self.max_tokens or self.sampled[-1] in self.stop_token_ids
         )
 
 
@@ -199,6 +209,7 @@ class RowToken:
     uid: int
     token: int
     finish_reason: str | None  # "stop" (a stop token), "length" (max_tokens), None
+    logprobs: TokenLogprobs | None = None  # when the row asked for them
 
 
 @dataclass
@@ -239,8 +250,13 @@ class RaggedBatchGenerator:
         max_tokens: int,
         sampler: Sampler | None,
         stop_token_ids: frozenset[int],
+        processors: list[LogitsProcessor] | None = None,
+        top_logprobs: int | None = None,
     ) -> int:
-        """Add a row whose `layers` hold `cached_tokens`; `prompt_rest` (at least one token) follows."""
+        """Add a row whose `layers` hold `cached_tokens`; `prompt_rest` (at least one token) follows.
+
+        `processors` touch this row's logits only; `top_logprobs` (not None) asks for each token's
+        log probability and that many best tokens of its step."""
         if not prompt_rest:
             raise ValueError("a row needs at least one prompt token after its cache")
         uid = self._next_uid
@@ -254,6 +270,8 @@ class RaggedBatchGenerator:
             sampler=sampler,
             stop_token_ids=stop_token_ids,
             inserted_step=self.steps,
+            processors=list(processors or ()),
+            top_logprobs=top_logprobs,
         )
         return uid
 
@@ -287,7 +305,7 @@ class RaggedBatchGenerator:
             self.last_step = stats
             return []
         start = time.perf_counter()
-        sampled = self._forward(runs)
+        sampled, logprobs = self._forward(runs)
         stats.forward_s = time.perf_counter() - start
         out = []
         for row, n in runs:
@@ -303,11 +321,13 @@ class RaggedBatchGenerator:
             row.pending = [token]
             row.sampled.append(token)
             reason = None
-            if token in row.stop_token_ids:
+            if row.processors and ends_row(row.processors, token):
+                row.ended = True
+            if token in row.stop_token_ids or row.ended:
                 reason = "stop"
             elif len(row.sampled) >= row.max_tokens:
                 reason = "length"
-            out.append(RowToken(row.uid, token, reason))
+            out.append(RowToken(row.uid, token, reason, logprobs.get(row.uid)))
         self.last_step = stats
         return out
 
@@ -353,8 +373,9 @@ class RaggedBatchGenerator:
             if row.decoding and row.length + 1 <= SHORT_ROW_TOKENS and row not in self.slots:
                 self.slots.enter(row)
 
-    def _forward(self, runs: list[tuple[Row, int]]) -> dict[int, int]:
-        """Run the flat batch; sample a token for every row whose pending tokens all ran."""
+    def _forward(self, runs: list[tuple[Row, int]]) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+        """Run the flat batch; sample a token for every row whose pending tokens all ran (and the
+        log probabilities of the rows that asked for them)."""
         tokens: list[int] = []
         positions: list[int] = []
         for row, n in runs:
@@ -390,24 +411,41 @@ class RaggedBatchGenerator:
         ]
         if not finishing:
             mx.eval(written)
-            return {}
+            return {}, {}
         # Padded like the step's rows (engine/cpu/gemm_rows.py): the head's matmul is the step's largest.
         picks = [end for _, end in finishing]
         picks += picks[-1:] * (acceleration.padded_rows(len(picks), shortcuts) - len(picks))
         picked = self._head(hidden[mx.array(picks)])[: len(finishing)]
-        if all(row.sampler is None for row, _ in finishing):
+        rows = [row for row, _ in finishing]
+        if all(row.plain for row in rows):
             # Greedy: the log-softmax shifts a row by one constant, so argmax needs no exp
             # (49K of them a row: 12 ms of a 16-row step on this CPU).
             choice = mx.argmax(picked, axis=-1)
-        else:
-            logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
-            parts = mx.split(logprobs, len(finishing), axis=0)
-            choice = mx.concatenate(
-                [
-                    mx.argmax(part, axis=-1) if row.sampler is None else row.sampler(part)
-                    for (row, _), part in zip(finishing, parts, strict=True)
-                ]
-            )
+            mx.eval(choice, written)
+            values: list[int] = choice.tolist()  # type: ignore[assignment]
+            return {row.uid: token for row, token in zip(rows, values, strict=True)}, {}
+        return self._sample_rows(rows, picked, written)
+
+    def _sample_rows(
+        self, rows: list[Row], picked: mx.array, written: list[Any]
+    ) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+        """Each row on its own: its processors on its (1, vocab) logits (given the row's tokens so far,
+        as mlx-lm gives them), then its sampler or argmax; logprobs after the processors, as mlx-lm's."""
+        parts = mx.split(picked, len(rows), axis=0)
+        choices, all_logprobs = [], []
+        for row, logits in zip(rows, parts, strict=True):
+            if row.processors:
+                context = mx.array(row.cached_tokens + row.pending)
+                for processor in row.processors:
+                    logits = processor(context, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            choices.append(mx.argmax(logprobs, axis=-1) if row.sampler is None else row.sampler(logprobs))
+            all_logprobs.append(logprobs)
+        choice = mx.concatenate(choices)
         mx.eval(choice, written)
         values: list[int] = choice.tolist()  # type: ignore[assignment]
-        return {row.uid: token for (row, _), token in zip(finishing, values, strict=True)}
+        reported = {}
+        for row, token, logprobs in zip(rows, values, all_logprobs, strict=True):
+            if row.top_logprobs is not None:
+                (reported[row.uid],) = token_logprobs(logprobs, [token], row.top_logprobs)
+        return {row.uid: token for row, token in zip(rows, values, strict=True)}, reported

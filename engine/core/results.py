@@ -11,10 +11,19 @@ FinishReason = Literal["stop", "length", "canceled"]
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log probability and the most likely tokens of its step (ids, best first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     uid: int
     token: int
     text: str  # decoded text that became final with this token (may be "" mid-character)
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class Completion:
     cache: AgentCache | None  # prompt + generated tokens as blocks; None when canceled
     time_to_first_token_s: float | None = None
     total_time_s: float = 0.0
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when the request asked
 
 
 @dataclass
