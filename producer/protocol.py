@@ -6,6 +6,7 @@ a key or field renamed here changes for both at once.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -139,7 +140,7 @@ BATCH_RUNS_KEY = f"{_PREFIX}:batch:runs"
 
 CANCEL_FLAG_TTL_S = 24 * 3600
 
-EventKind = Literal["start", "delta", "end", "error"]
+EventKind = Literal["start", "delta", "reasoning", "tool_call", "logprobs", "end", "error"]
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,12 @@ class StreamEvent:
     """One entry of a job's stream.
 
     `start`: a worker began (or, after a crash or drain, began again) an `attempt` of the job;
-    `delta`: `text` (empty while a character is incomplete, and for the stop token) and `token`;
-    `end`: `finish_reason` ("stop", "length" or "canceled"); `error`: `error` (the reason).
+    `delta`: answer `text` (empty while a character is incomplete, for the stop token, and for tokens
+    of reasoning or a tool call) and `token`; `reasoning`: thinking `text`, apart from the answer;
+    `tool_call`: one parsed call as `data` (OpenAI's {"id", "type", "function": {"name", "arguments"}});
+    `logprobs`: one generated token's `data` ({"token", "token_id", "logprob", "bytes", "top_logprobs"}),
+    for requests that asked; `end`: `finish_reason` ("stop", "length", "tool_calls" or "canceled");
+    `error`: `error` (the reason).
     """
 
     kind: EventKind
@@ -157,12 +162,17 @@ class StreamEvent:
     finish_reason: str | None = None
     error: str | None = None
     attempt: str | None = None
+    data: dict[str, Any] | None = None
 
     def to_fields(self) -> dict[str, str]:
         if self.kind == "start":
             return {"e": "start", "attempt": self.attempt or ""}
         if self.kind == "delta":
             return {"e": "delta", "t": self.text, "tok": str(self.token if self.token is not None else -1)}
+        if self.kind == "reasoning":
+            return {"e": "reasoning", "t": self.text}
+        if self.kind in ("tool_call", "logprobs"):
+            return {"e": self.kind, "data": json.dumps(self.data, ensure_ascii=False)}
         if self.kind == "end":
             return {"e": "end", "reason": self.finish_reason or ""}
         return {"e": "error", "error": self.error or ""}
@@ -176,6 +186,12 @@ class StreamEvent:
         if kind == "delta":
             token = int(data.get("tok", "-1"))
             return cls("delta", text=data.get("t", ""), token=None if token < 0 else token)
+        if kind == "reasoning":
+            return cls("reasoning", text=data.get("t", ""))
+        if kind == "tool_call":
+            return cls("tool_call", data=json.loads(data.get("data", "{}")))
+        if kind == "logprobs":
+            return cls("logprobs", data=json.loads(data.get("data", "{}")))
         if kind == "end":
             return cls("end", finish_reason=data.get("reason") or None)
         if kind == "error":

@@ -16,6 +16,7 @@ from producer.models import GenerationRequest
 
 if TYPE_CHECKING:
     from engine.core.blocks import AgentCache
+    from worker.agent_output import OutputSplitter
 
 #: Where a held job is inside this worker. "waiting": held, not yet in the engine (for a slot,
 #: KV blocks, its agent's turn or its cache); "running": in the engine; "ending": its outcome
@@ -48,6 +49,9 @@ class HeldJob:
     stop_requested: bool = False  # rq's stop-job command, without the producer's cancel flag
     wait_reason: str = ""
     end_steps: set[str] = field(default_factory=set)  # ending steps already done (retried after outages)
+    output: OutputSplitter | None = (
+        None  # splits reasoning and tool calls from the answer; None: nothing to split
+    )
 
     @property
     def id(self) -> str:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from rq.exceptions import DeserializationError
 from rq.job import Job
 
+from engine.core.errors import InvalidRequestError
 from engine.core.params import SamplingParams
 from producer.models import QUEUE_OPTION_FIELDS, GenerationRequest
 from producer.protocol import JOB_FUNCTION
@@ -68,7 +69,37 @@ def sampling_of(request: GenerationRequest) -> SamplingParams:
         top_p=request.top_p,
         seed=request.seed,
         stop=tuple(request.stop),
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        repetition_context_size=request.repetition_context_size,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=tuple(sorted(request.logit_bias_ids.items())),
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs or 0,
     )
+
+
+def checked_sampling(request: GenerationRequest, vocab_size: int) -> SamplingParams:
+    """sampling_of(request), checked against the model (a logit_bias id past its vocabulary), or
+    JobRejected: refused when the job is taken, before it waits for a batch slot."""
+    if request.tool_choice == "required" or not isinstance(request.tool_choice, str | None):
+        raise JobRejected(
+            "invalid request: tool_choice 'required' or a named function is not enforced by this worker "
+            "(tool calls are not grammar-constrained yet): send tool_choice 'auto' or leave it out"
+        )
+    if request.response_format is not None and request.response_format.type != "text":
+        raise JobRejected(
+            f"invalid request: response_format {request.response_format.type!r} needs structured output, "
+            "which this worker does not enforce"
+        )
+    sampling = sampling_of(request)
+    try:
+        sampling.validate(vocab_size)
+    except InvalidRequestError as exc:
+        raise JobRejected(f"invalid request: {exc}") from None
+    return sampling
 
 
 def _payload(args: list[Any], kwargs: dict[str, Any]) -> Any:

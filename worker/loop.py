@@ -61,12 +61,14 @@ from producer.protocol import (
 )
 from worker import rqexec
 from worker.affinity import Affinity
+from worker.agent_output import OutputSplitter, Piece, splitter_for
 from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
 from worker.held import HeldJob
-from worker.jobs import JobRejected, request_from_job, sampling_of
+from worker.jobs import JobRejected, checked_sampling, request_from_job
 from worker.latency import LatencyHistograms
 from worker.liveness import LivenessBeacon
+from worker.logprobs import LogprobFormatter
 from worker.maintenance import clean_queues, rerun_crashed
 from worker.memory import memory_field
 from worker.outcomes import COUNTERS, Canceled, Failed, Finished, HandedBack, Outcome, Stopped, TakenOver
@@ -80,6 +82,7 @@ from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from engine.core.blocks import AgentCache
+    from engine.core.params import SamplingParams
     from engine.core.results import StepOutput
 
 log = logging.getLogger("kvrq.worker")
@@ -99,6 +102,7 @@ class WorkerLoop:
         idle_wait_s: int = 1,
     ) -> None:
         self.engine = engine
+        self.logprob_format = LogprobFormatter(engine.tokenizer)
         self.store = store
         self.worker = rq_worker
         self.settings = settings
@@ -295,11 +299,13 @@ class WorkerLoop:
             return
         try:
             request = request_from_job(job)
+            sampling = checked_sampling(request, self.engine.vocab_size)
             tokens = prompt_tokens(self.engine.tokenizer, request)
+            output = splitter_for(self.engine.tokenizer, request, tokens)
         except (JobRejected, PromptError) as exc:
             self._reject(job, queue, f"{type(exc).__name__}: {exc}")
             return
-        self._hold(job, queue, request, tokens)
+        self._hold(job, queue, request, sampling, tokens, output)
 
     def _reject(self, job: Job, queue: Queue, reason: str) -> None:
         """Fail an invalid job at once (no retry: it would fail the same way), recorded as an execution."""
@@ -310,7 +316,15 @@ class WorkerLoop:
         self._record_in_rq(job, queue, execution, outcome)
         self.counts["failed"] += 1
 
-    def _hold(self, job: Job, queue: Queue, request: GenerationRequest, tokens: list[int]) -> None:
+    def _hold(
+        self,
+        job: Job,
+        queue: Queue,
+        request: GenerationRequest,
+        sampling: SamplingParams,
+        tokens: list[int],
+        output: OutputSplitter | None,
+    ) -> None:
         """Mark a valid job started, stand it in its agent's line and queue it for admission."""
         enqueued = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
         first = _first_enqueued(job, enqueued)
@@ -321,8 +335,9 @@ class WorkerLoop:
             queue=queue,
             execution=execution,
             request=request,
-            sampling=sampling_of(request),
+            sampling=sampling,
             prompt_tokens=tokens,
+            output=output,
             enqueued_at=enqueued,
             first_enqueued_at=first,
             held_at=time.monotonic(),
@@ -465,7 +480,11 @@ class WorkerLoop:
             if held is None:
                 continue
             held.generated += 1
-            self.publisher.delta(held.id, delta.text, delta.token)
+            text = delta.text if held.output is None else self._split(held, held.output.feed(delta.text))
+            self.publisher.delta(held.id, text, delta.token)
+            if delta.logprobs is not None:
+                entry = self.logprob_format(delta.token, delta.logprobs)
+                self.publisher.data(held.id, "logprobs", entry.model_dump(mode="json"))
             if mono - held.progress_at >= self.settings.progress_interval:
                 held.progress_at = mono
                 self.publisher.progress(held.job, generated_tokens=held.generated)
@@ -473,7 +492,21 @@ class WorkerLoop:
         for completion in output.completions:
             held = self.scheduler.by_uid(completion.uid)
             if held is not None:
+                if held.output is not None and (rest := self._split(held, held.output.finish())):
+                    self.publisher.delta(held.id, rest, None)
                 self.end(held, Finished(completion))
+
+    def _split(self, held: HeldJob, pieces: list[Piece]) -> str:
+        """Publish the reasoning and tool calls among `pieces` as their own events; the answer text."""
+        text = []
+        for piece in pieces:
+            if piece.kind == "reasoning":
+                self.publisher.reasoning(held.id, piece.text)
+            elif piece.call is not None:
+                self.publisher.data(held.id, "tool_call", piece.call.model_dump(mode="json"))
+            else:
+                text.append(piece.text)
+        return "".join(text)
 
     # ---- the one ending path -------------------------------------------------------------
 
@@ -571,7 +604,13 @@ class WorkerLoop:
         """The rq side of an ending; False when the job turned out to be no longer ours."""
         if isinstance(outcome, Finished):
             assert held is not None
-            result = build_result(held, outcome.completion, model=self.model_name, worker=self.worker.name)
+            result = build_result(
+                held,
+                outcome.completion,
+                model=self.model_name,
+                worker=self.worker.name,
+                logprobs=self.logprob_format,
+            )
             return rqexec.finish_job(self.worker, job, queue, execution, result)
         if isinstance(outcome, Failed):
             rqexec.fail_job(

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class Engine(Protocol):
     pool: BlockPool
     tokenizer: Any
+    vocab_size: int  # 0 when unknown
 
     def admission(self, n_prompt_tokens: int, max_tokens: int) -> Admission: ...
 

@@ -7,7 +7,7 @@ are published once it is back (a transaction: all of a flush lands, or none of i
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from redis import Redis
 from rq.job import Job
@@ -30,8 +30,14 @@ class Publisher:
     def event(self, job_id: str, event: StreamEvent) -> None:
         self._events.append((stream_key(job_id), event.to_fields()))
 
-    def delta(self, job_id: str, text: str, token: int) -> None:
+    def delta(self, job_id: str, text: str, token: int | None) -> None:
         self.event(job_id, StreamEvent("delta", text=text, token=token))
+
+    def reasoning(self, job_id: str, text: str) -> None:
+        self.event(job_id, StreamEvent("reasoning", text=text))
+
+    def data(self, job_id: str, kind: Literal["tool_call", "logprobs"], data: dict[str, Any]) -> None:
+        self.event(job_id, StreamEvent(kind, data=data))
 
     def start(self, job_id: str, attempt: str) -> None:
         self.event(job_id, StreamEvent("start", attempt=attempt))

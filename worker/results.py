@@ -7,9 +7,10 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from producer.models import GenerationResult, Timings, Usage
+from producer.models import FinishReason, GenerationResult, Timings, Usage
 from worker.held import HeldJob
 from worker.latency import CacheLabel, Observations
+from worker.logprobs import LogprobFormatter
 
 if TYPE_CHECKING:
     from engine.core.results import Completion
@@ -30,13 +31,28 @@ def timings(held: HeldJob, completion: Completion | None, ended: float) -> Timin
     )
 
 
-def build_result(held: HeldJob, completion: Completion, *, model: str, worker: str) -> dict[str, Any]:
+def build_result(
+    held: HeldJob, completion: Completion, *, model: str, worker: str, logprobs: LogprobFormatter
+) -> dict[str, Any]:
+    """The job's result; with an output splitter, the answer apart from its reasoning and tool calls
+    (a row that ended with a tool call and nothing else to say finishes with "tool_calls")."""
+    split = held.output
+    finish_reason: FinishReason = completion.finish_reason
+    if split is not None and split.tool_calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
     result = GenerationResult(
         job_id=held.id,
         agent_id=held.agent_id,
-        text=completion.text,
+        text=completion.text if split is None else split.text,
         token_ids=list(completion.token_ids),
-        finish_reason=completion.finish_reason,
+        finish_reason=finish_reason,
+        tool_calls=None if split is None else split.tool_calls or None,
+        reasoning=None if split is None else split.reasoning or None,
+        logprobs=None
+        if completion.logprobs is None
+        else [
+            logprobs(token, lp) for token, lp in zip(completion.token_ids, completion.logprobs, strict=False)
+        ],
         usage=Usage(**asdict(completion.usage)),
         timings=timings(held, completion, time.time()),
         metadata=held.request.metadata,

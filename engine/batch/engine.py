@@ -297,7 +297,8 @@ class BlockPoolBatchEngine:
                 completion = self._finish(seq, "stop")
             if completion is not None:
                 output.completions.append(completion)
-            output.deltas.append(TokenDelta(seq.uid, token, delta, item.logprobs))
+            logprobs = None if ends_on_stop_token else item.logprobs  # the stop token is not part of the text
+            output.deltas.append(TokenDelta(seq.uid, token, delta, logprobs))
 
     def cancel(self, uid: int) -> Completion | None:
         """Stop a sequence now and free its blocks; None if it is not running."""

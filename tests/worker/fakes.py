@@ -65,6 +65,7 @@ class FakeEngine:
         self.spec = SPEC
         self.pool = BlockPool(pool_blocks)
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = 0
         self.max_batch = max_batch
         self.max_context = 4096
         self._seqs: dict[int, _Seq] = {}

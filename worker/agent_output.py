@@ -1,0 +1,174 @@
+"""Split what a model generates into the answer, its reasoning and its tool calls, as it streams.
+
+The markers are the tokenizer's own (mlx-lm's TokenizerWrapper: `think_start`/`think_end` where the
+template marks thinking, `tool_call_start`/`tool_call_end` and `tool_parser` where it declares tool
+calling), so every template mlx-lm knows splits the way `mlx_lm.server` splits it. Text is released
+as soon as it can no longer be the start of a marker; a tool call is parsed once its end marker
+arrives (or the output ends).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from producer.models import GenerationRequest, ToolCall, ToolCallFunction
+
+Part = Literal["text", "reasoning", "tool"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one stretch of output turned out to be: answer text, reasoning text, or a parsed tool call."""
+
+    kind: Literal["text", "reasoning", "tool_call"]
+    text: str = ""
+    call: ToolCall | None = None
+
+
+@dataclass
+class OutputSplitter:
+    """One job's output, fed as it is generated. `starts_in` is "reasoning" when the prompt left a
+    thinking block open (templates that start the answer inside `<think>`)."""
+
+    think: tuple[str, str] | None
+    tool_markers: tuple[str, str] | None
+    tool_parser: Callable[[str, Any], Any] | None
+    tools: list[dict[str, Any]] | None
+    starts_in: Part = "text"
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    _part: Part = "text"
+    _buffer: str = ""
+    _tool_text: str = ""
+
+    def __post_init__(self) -> None:
+        self._part = self.starts_in
+
+    def feed(self, delta: str) -> list[Piece]:
+        self._buffer += delta
+        pieces: list[Piece] = []
+        while True:
+            found = self._next_marker()
+            if found is None:
+                break
+            index, marker, part = found
+            pieces += self._emit(self._buffer[:index])
+            pieces += self._switch(part)
+            self._buffer = self._buffer[index + len(marker) :]
+        keep = _partial_marker_length(self._buffer, [m for m, _ in self._markers()])
+        pieces += self._emit(self._buffer[: len(self._buffer) - keep])
+        self._buffer = self._buffer[len(self._buffer) - keep :]
+        return pieces
+
+    def finish(self) -> list[Piece]:
+        """The output ended: release what was held back; a tool call without its end is parsed as is."""
+        pieces = self._emit(self._buffer)
+        self._buffer = ""
+        if self._part == "tool":
+            pieces += self._switch("text")
+        return pieces
+
+    def _markers(self) -> list[tuple[str, Part]]:
+        if self._part == "reasoning":
+            return [(self.think[1], "text")] if self.think else []
+        if self._part == "tool":
+            return [(self.tool_markers[1], "text")] if self.tool_markers else []
+        markers: list[tuple[str, Part]] = []
+        if self.think:
+            markers.append((self.think[0], "reasoning"))
+        if self.tool_markers:
+            markers.append((self.tool_markers[0], "tool"))
+        return markers
+
+    def _next_marker(self) -> tuple[int, str, Part] | None:
+        hits = [(self._buffer.find(m), m, part) for m, part in self._markers() if m in self._buffer]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
+
+    def _emit(self, text: str) -> list[Piece]:
+        if not text:
+            return []
+        if self._part == "tool":
+            self._tool_text += text
+            return []
+        if self._part == "reasoning":
+            self.reasoning += text
+            return [Piece("reasoning", text)]
+        self.text += text
+        return [Piece("text", text)]
+
+    def _switch(self, part: Part) -> list[Piece]:
+        pieces: list[Piece] = []
+        if self._part == "tool":
+            pieces = self._parse(self._tool_text)
+            self._tool_text = ""
+        self._part = part
+        return pieces
+
+    def _parse(self, text: str) -> list[Piece]:
+        """The tool calls in one marked stretch; text the parser refuses stays in the answer, marked."""
+        assert self.tool_parser is not None and self.tool_markers is not None
+        try:
+            parsed = self.tool_parser(text, self.tools)
+            calls = [_tool_call(item) for item in (parsed if isinstance(parsed, list) else [parsed])]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            start, end = self.tool_markers
+            unparsed = f"{start}{text}{end}"
+            self.text += unparsed
+            return [Piece("text", unparsed)]
+        self.tool_calls += calls
+        return [Piece("tool_call", call=call) for call in calls]
+
+
+def _tool_call(parsed: Any) -> ToolCall:
+    """mlx-lm's parsed call ({"name", "arguments": object}) in OpenAI's shape (arguments a JSON string)."""
+    arguments = parsed["arguments"]
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    call_id = parsed.get("id") or f"call_{secrets.token_hex(12)}"
+    return ToolCall(id=str(call_id), function=ToolCallFunction(name=str(parsed["name"]), arguments=text))
+
+
+def _partial_marker_length(text: str, markers: list[str]) -> int:
+    """Length of the longest end of `text` that is the start of a marker (held back until it is clear)."""
+    longest = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:n]):
+                longest = n
+                break
+    return longest
+
+
+def splitter_for(tokenizer: Any, request: GenerationRequest, prompt: list[int]) -> OutputSplitter | None:
+    """The job's splitter, or None when nothing is to be split out (no tools offered, no thinking marks)."""
+    think = None
+    if getattr(tokenizer, "has_thinking", False) and request.messages is not None:
+        think = (str(tokenizer.think_start), str(tokenizer.think_end))
+    tools = None
+    if tools_rendered(request) and getattr(tokenizer, "has_tool_calling", False):
+        tools = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end))
+    if think is None and tools is None:
+        return None
+    starts_in: Part = "text"
+    if think is not None and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+        starts_in = "reasoning"
+    return OutputSplitter(
+        think=think,
+        tool_markers=tools,
+        tool_parser=tokenizer.tool_parser if tools else None,
+        tools=tool_dicts(request) if tools else None,
+        starts_in=starts_in,
+    )
+
+
+def tools_rendered(request: GenerationRequest) -> bool:
+    """Whether the request's tools go to the template (tool_choice "none": the model is not offered them)."""
+    return bool(request.tools) and request.tool_choice != "none"
+
+
+def tool_dicts(request: GenerationRequest) -> list[dict[str, Any]]:
+    return [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or ()]
