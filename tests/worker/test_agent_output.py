@@ -1,0 +1,75 @@
+"""OutputSplitter: answer, reasoning and tool calls apart, whatever way the output is cut into deltas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlx_lm.tool_parsers import json_tools
+
+from worker.agent_output import OutputSplitter, Piece
+
+OUTPUT = (
+    '<think>The user wants the weather.</think>Let me check. <tool_call>{"name": "get_weather", '
+    '"arguments": {"city": "Paris"}}</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+)
+
+
+def splitter(**overrides: object) -> OutputSplitter:
+    fields: dict[str, object] = {
+        "think": ("<think>", "</think>"),
+        "tool_markers": (json_tools.tool_call_start, json_tools.tool_call_end),
+        "tool_parser": json_tools.parse_tool_call,
+        "tools": None,
+        **overrides,
+    }
+    return OutputSplitter(**fields)  # type: ignore[arg-type]
+
+
+def feed_in_pieces(split: OutputSplitter, text: str, size: int) -> list[Piece]:
+    pieces = []
+    for start in range(0, len(text), size):
+        pieces += split.feed(text[start : start + size])
+    return pieces + split.finish()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_output_splits_the_same_whatever_the_deltas(size: int) -> None:
+    split = splitter()
+    pieces = feed_in_pieces(split, OUTPUT, size)
+    assert split.reasoning == "The user wants the weather."
+    assert split.text == "Let me check. "
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in split.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    assert "".join(p.text for p in pieces if p.kind == "text") == split.text
+    assert "".join(p.text for p in pieces if p.kind == "reasoning") == split.reasoning
+    assert [p.call for p in pieces if p.kind == "tool_call"] == split.tool_calls
+    assert len({c.id for c in split.tool_calls}) == 2
+
+
+def test_a_prompt_that_opens_thinking_starts_in_reasoning() -> None:
+    split = splitter(starts_in="reasoning")
+    feed_in_pieces(split, "hmm</think>Paris.", 4)
+    assert (split.reasoning, split.text) == ("hmm", "Paris.")
+
+
+def test_text_that_only_looks_like_a_marker_start_is_released() -> None:
+    split = splitter()
+    assert split.feed("a <to") == [Piece("text", "a ")]  # "<to" could open <tool_call>: held back
+    assert split.feed("ol> <b") == [Piece("text", "<tool> <b")]  # "<b" opens no marker
+    assert split.text == "a <tool> <b"
+
+
+def test_a_tool_call_cut_by_max_tokens_stays_in_the_answer() -> None:
+    split = splitter()
+    feed_in_pieces(split, '<tool_call>{"name": "get_wea', 5)
+    assert split.tool_calls == []
+    assert split.text == '<tool_call>{"name": "get_wea</tool_call>'
+
+
+def test_an_unterminated_but_complete_call_is_parsed() -> None:
+    split = splitter()
+    feed_in_pieces(split, '<tool_call>{"name": "f", "arguments": {"x": 1}}', 4)
+    assert [c.function.name for c in split.tool_calls] == ["f"]

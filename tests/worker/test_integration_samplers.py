@@ -1,0 +1,129 @@
+"""Samplers, logit_bias and logprobs through a real worker with the builtin model (few tokens), and the
+values only the worker can judge (a logit_bias id past the vocabulary, tools for a template without tool
+calling) failed as invalid_request when the job is taken, before it waits for a batch slot.
+
+The exact equality of each sampler and processor with mlx-lm's own is tested on a tiny model
+(tests/engine/test_row_processors.py); here the point is that every field reaches the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from producer.client import JobFailedError, Producer
+from producer.protocol import ErrorCode
+from tests.worker.procs import RedisProcess, WorkerProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+VOCAB = 49152  # the builtin tokenizer's
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path_factory.mktemp("redis-samplers"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def producer(redis_proc: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Producer]:
+    worker = WorkerProcess(
+        redis_proc.url,
+        tmp_path_factory.mktemp("worker-samplers"),
+        name="kvrq-samplers",
+        args=["--max-batch", "8"],
+    )
+    worker.start()
+    try:
+        with Producer(redis_proc.url) as p:
+            yield p
+    finally:
+        code = worker.terminate()
+        assert code == 0, worker.log()
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": QUESTION, "max_tokens": 8, **fields}
+
+
+def test_samplers_processors_and_logprobs_reach_the_engine_in_one_batch(producer: Producer) -> None:
+    requests = {
+        "greedy": chat(),
+        "greedy+logprobs": chat(logprobs=True, top_logprobs=3),
+        "top_k=1 sampled": chat(temperature=1.0, top_k=1, seed=3),
+        "sampled a": chat(
+            temperature=1.0, top_k=40, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5, seed=7
+        ),
+        "sampled b": chat(
+            temperature=1.0, top_k=40, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5, seed=7
+        ),
+    }
+    handles = dict(zip(requests, producer.submit_many(list(requests.values())), strict=True))  # one batch
+    results = {name: handle.result(timeout=300) for name, handle in handles.items()}
+    greedy = results["greedy"]
+
+    with_logprobs = results["greedy+logprobs"]
+    assert with_logprobs.token_ids == greedy.token_ids and greedy.logprobs is None
+    assert with_logprobs.logprobs is not None and len(with_logprobs.logprobs) == len(greedy.token_ids)
+    for token, entry in zip(greedy.token_ids, with_logprobs.logprobs, strict=True):
+        assert entry.token_id == token and entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token_id == token  # greedy: the chosen token is the most likely
+        values = [top.logprob for top in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and entry.logprob == pytest.approx(values[0])
+    assert "".join(entry.token for entry in with_logprobs.logprobs) == with_logprobs.text
+
+    assert results["top_k=1 sampled"].token_ids == greedy.token_ids  # top_k=1 leaves the argmax only
+    assert results["sampled a"].token_ids == results["sampled b"].token_ids  # same seed, same draws
+
+
+def test_logit_bias_steers_the_answer_and_logprobs_stream_as_events(producer: Producer) -> None:
+    greedy = producer.submit(chat(max_tokens=4)).result(timeout=300)
+    banned = producer.submit(chat(max_tokens=4, logit_bias={str(greedy.token_ids[0]): -100})).result(
+        timeout=300
+    )
+    assert banned.token_ids[0] != greedy.token_ids[0]
+
+    handle = producer.submit(chat(max_tokens=4, logprobs=True))
+    events = list(handle.events(timeout=300))
+    logprobs = [event.data for event in events if event.kind == "logprobs"]
+    result = handle.result(timeout=60)
+    assert result.logprobs is not None
+    assert logprobs == [entry.model_dump(mode="json") for entry in result.logprobs]
+    assert "".join(handle.stream(timeout=60)) == result.text  # stream() still yields the text alone
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"logit_bias": {str(VOCAB): 5}},
+            rf"logit_bias token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "get_weather"}}]},
+            "this model's chat template declares no tool calling",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+                "tool_choice": "required",
+            },
+            "tool_choice 'required' or a named function is not enforced",
+        ),
+    ],
+)
+def test_values_only_the_worker_can_judge_fail_as_invalid_request(
+    producer: Producer, fields: dict[str, Any], message: str
+) -> None:
+    handle = producer.submit(chat(**fields))
+    with pytest.raises(JobFailedError, match=message) as failed:
+        handle.result(timeout=300)
+    assert failed.value.code == ErrorCode.INVALID_REQUEST
+    # Refused when the job was taken (JobRejected, PromptError), not by the engine at admission.
+    assert failed.value.reason.startswith(("JobRejected: invalid request: ", "PromptError: "))
