@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from producer.models import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
-    from engine.results import TokenLogprobs
+    from engine.core.results import TokenLogprobs
 
 REPLACEMENT = "\ufffd"
 

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from engine.model import load_model
+from engine.models.load import load_model
 from producer.client import Producer
 from producer.models import GenerationRequest
 from tests.engine.tiny import model_config, save_model_folder, tiny_model
@@ -72,8 +72,8 @@ def rig(model: Any, table: dict[int, tuple[int, float]]) -> None:
 def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tokenizers import AddedToken
 
-    from engine.gguf_smollm2 import gguf_path
-    from engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+    from engine.models.gguf_smollm2 import gguf_path
+    from engine.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 
     folder = tmp_path_factory.mktemp("models") / "tiny-tool-caller"
     loaded: Any = mx.load(str(gguf_path()), return_metadata=True)
