@@ -8,9 +8,12 @@ Input: JSONL in the OpenAI Batch API request format, one request per line:
      "kvrq": {"agent_id": "a1"}}
 - `url` is /v1/chat/completions (body.messages) or /v1/completions (body.prompt, one string).
 - body fields used: messages / prompt, max_tokens (max_completion_tokens wins), temperature, top_p, seed,
-  stop; `model`, `user`, `store`, `metadata`, `service_tier` are accepted and ignored. Fields kvrq cannot
-  honour (n, logprobs, penalties, tools, ...) are accepted only at their neutral value; anything else is an
-  error line. Defaults are OpenAI's (temperature 1, top_p 1; 16 max_tokens for /v1/completions), because
+  stop, top_k, min_p, repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty,
+  logit_bias; chat also logprobs, top_logprobs, tools, tool_choice, parallel_tool_calls, response_format,
+  chat_template_kwargs and messages with tool_calls / tool_call_id (/v1/completions: logprobs is the top
+  count, 0 to 5); `model`, `user`, `store`, `metadata`, `service_tier` are accepted and ignored. Fields kvrq
+  cannot honour (n, best_of, stream, echo, suffix) are accepted only at their neutral value; anything else
+  is an error line. Defaults are OpenAI's (temperature 1, top_p 1; 16 max_tokens for /v1/completions), because
   the file was written for that API; chat without max_tokens gets kvrq's default (256).
 - `kvrq.agent_id` (optional, the only kvrq extension, outside `body` so the body stays OpenAI's): the
   line resumes that agent's KV cache and saves it back. An agent's lines run one at a time in file order
@@ -20,6 +23,8 @@ Output: one JSONL line per non-blank input line, in completion order, each custo
     {"id": "batch_req_<job>", "custom_id": "t1", "error": null,
      "response": {"status_code": 200, "request_id": "<job id>", "body": <chat.completion | text_completion>},
      "kvrq": {"line": 1, "agent_id": "a1", "job_id": "...", "usage": {...}, "timings": {...}, "worker": ".."}}
+  The chat.completion message carries `tool_calls` (content null when the answer is calls alone) and
+  `reasoning` where the model gave them; `choices[0].logprobs` is OpenAI's shape when asked for.
   `body.usage` has prompt_tokens, completion_tokens, total_tokens and prompt_tokens_details.cached_tokens
   (prompt tokens reused from the agent's cache). A line that produced nothing has `"response": null` and
   `"error": {"code", "message"}`; codes: invalid_json, invalid_request, unsupported_url,

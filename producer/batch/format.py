@@ -30,8 +30,29 @@ LINE_FIELDS = frozenset({"custom_id", "method", "url", "body", "kvrq"})
 KVRQ_FIELDS = frozenset({"agent_id"})
 # Body fields kvrq maps onto a GenerationRequest, per endpoint.
 COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop"})
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+#: Body fields that pass to the request as they are (GenerationRequest checks them).
+PASSED_FIELDS = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "repetition_context_size",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+    }
+)
+CHAT_PASSED_FIELDS = PASSED_FIELDS | {
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "chat_template_kwargs",
+}
+CHAT_FIELDS = COMMON_FIELDS | CHAT_PASSED_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | PASSED_FIELDS | {"prompt", "logprobs"}  # logprobs: the top count here
 # OpenAI fields that do not change what is generated: accepted and dropped.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
 # OpenAI fields kvrq cannot honour: accepted only at their neutral value, so no line silently means less.
@@ -39,14 +60,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1, None),
     "best_of": (1, None),
     "stream": (False, None),
-    "logprobs": (False, None),
-    "top_logprobs": (None, 0),
     "echo": (False, None),
-    "presence_penalty": (0, None),
-    "frequency_penalty": (0, None),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
 }
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
@@ -284,11 +299,16 @@ def _chat_request(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(messages, list) or not messages:
         raise LineError("invalid_request", "body.messages must be a non-empty list for /v1/chat/completions")
     request = _sampling(body, None)
+    request.update(_passed(body, CHAT_PASSED_FIELDS))
     request["messages"] = [_message(i, m) for i, m in enumerate(messages)]
     return request
 
 
-def _message(index: int, message: Any) -> dict[str, str]:
+def _passed(body: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    return {name: body[name] for name in sorted(names) if body.get(name) is not None}
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise LineError(
             "invalid_request", f"body.messages[{index}] must be an object with 'role' and 'content'"
@@ -296,12 +316,20 @@ def _message(index: int, message: Any) -> dict[str, str]:
     role = message.get("role")
     if not isinstance(role, str):
         raise LineError("invalid_request", f"body.messages[{index}].role must be a string")
-    unknown = sorted(set(message) - {"role", "content", "name"})
+    unknown = sorted(set(message) - MESSAGE_FIELDS)
     if unknown:
         raise LineError(
             "invalid_request", f"body.messages[{index}] has unsupported field(s) {', '.join(unknown)}"
         )
-    return {"role": CHAT_ROLES.get(role, role), "content": _content(index, message.get("content"))}
+    out = {name: message[name] for name in sorted(MESSAGE_FIELDS) if message.get(name) is not None}
+    out["role"] = CHAT_ROLES.get(role, role)
+    content = message.get("content")
+    if content is not None or not message.get("tool_calls"):
+        out["content"] = _content(index, content)
+    return out
+
+
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning"})
 
 
 def _content(index: int, content: Any) -> str:
@@ -335,6 +363,14 @@ def _completion_request(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(prompt, str):
         raise LineError("invalid_request", "body.prompt must be one string for /v1/completions")
     request = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    request.update(_passed(body, PASSED_FIELDS))
+    top = body.get("logprobs")  # /v1/completions: the number of most likely tokens to return, 0 to 5
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 5:
+            raise LineError(
+                "invalid_request", f"body.logprobs must be an integer in [0, 5], got {json.dumps(top)}"
+            )
+        request.update(logprobs=True, top_logprobs=top)
     request["prompt"] = prompt
     return request
 
@@ -365,6 +401,7 @@ def success_line(
     text = str(result.get("text", ""))
     finish_reason = result.get("finish_reason") or "stop"
     created = int(time.time()) if created is None else created
+    logprobs = result.get("logprobs")
     if item.url == CHAT_URL:
         body: dict[str, Any] = {
             "id": f"chatcmpl-{job_id}",
@@ -374,8 +411,10 @@ def success_line(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "message": _assistant_message(text, result),
+                    "logprobs": None
+                    if logprobs is None
+                    else {"content": [_chat_logprob(e) for e in logprobs]},
                     "finish_reason": finish_reason,
                 }
             ],
@@ -386,7 +425,14 @@ def success_line(
             "object": "text_completion",
             "created": created,
             "model": item.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None if logprobs is None else _completion_logprobs(logprobs),
+                    "finish_reason": finish_reason,
+                }
+            ],
         }
     body["usage"] = {
         "prompt_tokens": prompt_tokens,
@@ -412,6 +458,47 @@ def success_line(
             "timings": result.get("timings"),
             "worker": result.get("worker"),
         },
+    }
+
+
+def _assistant_message(text: str, result: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI's assistant message: content None when the answer is tool calls alone; reasoning as
+    mlx-lm's server names it."""
+    tool_calls = result.get("tool_calls")
+    message: dict[str, Any] = {"role": "assistant", "content": None if tool_calls and not text else text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if result.get("reasoning"):
+        message["reasoning"] = result["reasoning"]
+    return message
+
+
+def _chat_logprob(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """One token of chat.completion `logprobs.content`: token, logprob, bytes, top_logprobs."""
+    return {
+        "token": entry["token"],
+        "logprob": entry["logprob"],
+        "bytes": entry.get("bytes"),
+        "top_logprobs": [
+            {"token": top["token"], "logprob": top["logprob"], "bytes": top.get("bytes")}
+            for top in entry.get("top_logprobs") or ()
+        ],
+    }
+
+
+def _completion_logprobs(entries: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """text_completion `logprobs`: parallel lists of tokens, their logprobs, top maps and text offsets."""
+    offsets, offset = [], 0
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {
+        "tokens": [entry["token"] for entry in entries],
+        "token_logprobs": [entry["logprob"] for entry in entries],
+        "top_logprobs": [
+            {top["token"]: top["logprob"] for top in entry.get("top_logprobs") or ()} for entry in entries
+        ],
+        "text_offset": offsets,
     }
 
 

@@ -17,6 +17,7 @@ from producer.batch.format import (
     parse_lines,
     success_line,
 )
+from producer.models import GenerationRequest
 from producer.protocol import ErrorCode
 
 
@@ -97,7 +98,28 @@ def test_completions_line_takes_a_prompt_and_openais_16_token_default() -> None:
         (json.dumps({**chat_line(), "method": "GET"}), "invalid_request", "method", "r1"),
         (json.dumps(chat_line(frobnicate=True)), "invalid_request", "body.frobnicate", "r1"),
         (json.dumps(chat_line(n=2)), "invalid_request", "body.n=2", "r1"),
-        (json.dumps(chat_line(tools=[])), "invalid_request", "body.tools", "r1"),
+        (json.dumps(chat_line(functions=[])), "invalid_request", "body.functions", "r1"),
+        (json.dumps(chat_line(top_k=-1)), "invalid_request", "top_k", "r1"),
+        (
+            json.dumps(chat_line(tools=[{"type": "function", "function": {}}])),
+            "invalid_request",
+            "name",
+            "r1",
+        ),
+        (json.dumps(chat_line(top_logprobs=2)), "invalid_request", "top_logprobs needs logprobs", "r1"),
+        (
+            json.dumps(
+                chat_line(
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": {"type": 1}},
+                    }
+                )
+            ),
+            "invalid_request",
+            "invalid JSON schema",
+            "r1",
+        ),
         (json.dumps(chat_line(messages=[])), "invalid_request", "non-empty list", "r1"),
         (
             json.dumps(
@@ -210,3 +232,107 @@ def test_a_failed_jobs_line_code_follows_its_error_code() -> None:
     assert failed_job_code(ErrorCode.WORKER_CRASHED) == "worker_crashed"
     for code in (ErrorCode.ENGINE_ERROR, ErrorCode.INTERNAL, None, "a-code-from-a-newer-worker"):
         assert failed_job_code(code) == "job_failed"
+
+
+AGENT_BODY: dict[str, Any] = {
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    "tool_choice": "auto",
+    "top_k": 20,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "logit_bias": {"42": -100},
+    "logprobs": True,
+    "top_logprobs": 2,
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+
+
+def test_agent_fields_of_a_chat_line_reach_the_request() -> None:
+    item = parse(chat_line(**AGENT_BODY))
+    assert isinstance(item, BatchRequest)
+    request = GenerationRequest.model_validate(item.request)
+    assert request.tools is not None and request.tools[0].function.name == "get_weather"
+    assert request.messages is not None and request.messages[1].tool_calls is not None
+    assert request.messages[2].tool_call_id == "c1"
+    assert (request.top_k, request.logit_bias_ids, request.top_logprobs) == (20, {42: -100.0}, 2)
+    assert request.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_completions_logprobs_is_the_top_count() -> None:
+    item = parse({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 2}})
+    assert isinstance(item, BatchRequest)
+    assert (item.request["logprobs"], item.request["top_logprobs"]) == (True, 2)
+    bad = parse({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 9}})
+    assert isinstance(bad, BadLine) and "body.logprobs must be an integer in [0, 5]" in bad.message
+
+
+LOGPROBS = [
+    {
+        "token": "Hi",
+        "token_id": 5,
+        "logprob": -0.1,
+        "bytes": [72, 105],
+        "top_logprobs": [{"token": "Hi", "token_id": 5, "logprob": -0.1, "bytes": [72, 105]}],
+    }
+]
+CALL = {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+
+
+def test_success_line_carries_tool_calls_reasoning_and_logprobs_in_openais_shape() -> None:
+    item = parse(chat_line(**AGENT_BODY))
+    assert isinstance(item, BatchRequest)
+    result = {
+        **RESULT,
+        "text": "",
+        "finish_reason": "tool_calls",
+        "tool_calls": [CALL],
+        "reasoning": "Rome, then.",
+        "logprobs": LOGPROBS,
+    }
+    (choice,) = success_line(item, "j", result)["response"]["body"]["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [CALL],
+        "reasoning": "Rome, then.",
+    }
+    assert choice["logprobs"] == {
+        "content": [
+            {
+                "token": "Hi",
+                "logprob": -0.1,
+                "bytes": [72, 105],
+                "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}],
+            }
+        ]
+    }
+
+    completion = parse({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 1}})
+    assert isinstance(completion, BatchRequest)
+    (choice,) = success_line(completion, "j", {**RESULT, "text": "Hi", "logprobs": LOGPROBS})["response"][
+        "body"
+    ]["choices"]
+    assert choice["logprobs"] == {
+        "tokens": ["Hi"],
+        "token_logprobs": [-0.1],
+        "top_logprobs": [{"Hi": -0.1}],
+        "text_offset": [0],
+    }
