@@ -268,7 +268,7 @@ class JobHandle:
             result = self.result(timeout=0.001)
         except JobFailedError as exc:
             return [StreamEvent("error", error=exc.reason)]
-        head = [] if seen_any else [StreamEvent("delta", text=result.text)]
+        head = [] if seen_any else _result_events(result)
         return [*head, StreamEvent("end", finish_reason=result.finish_reason)]
 
     def stream(
@@ -307,6 +307,16 @@ class JobHandle:
         except (ResultTimeoutError, JobNotFoundError):
             pass
         return JobFailedError(self.id, reason)
+
+
+def _result_events(result: GenerationResult) -> list[StreamEvent]:
+    """A finished job's events rebuilt from its result, for a stream that expired before it was read."""
+    events = [StreamEvent("reasoning", text=result.reasoning)] if result.reasoning else []
+    events.append(StreamEvent("delta", text=result.text))
+    events += [
+        StreamEvent("tool_call", data=call.model_dump(mode="json")) for call in result.tool_calls or ()
+    ]
+    return events
 
 
 class _UnheardJobWarning:

@@ -23,6 +23,10 @@ MAX_TOOLS = 128
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+#: apply_chat_template arguments kvrq sets itself: a request's chat_template_kwargs may not.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize", "return_dict"}
+)
 
 #: Fields that steer rq (which queue, how long) rather than generation; not part of the job payload.
 QUEUE_OPTION_FIELDS = frozenset({"queue", "at_front", "job_timeout", "result_ttl", "retries"})
@@ -333,6 +337,10 @@ class GenerationRequest(BaseModel):
     def _template_kwargs_are_json(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
             _check_json(value, "chat_template_kwargs")
+            if reserved := sorted(RESERVED_TEMPLATE_KWARGS & value.keys()):
+                raise ValueError(
+                    f"chat_template_kwargs may not set {', '.join(reserved)}: kvrq sets them (send 'tools')"
+                )
         return value
 
     @field_validator("logit_bias")

@@ -113,6 +113,7 @@ def test_a_plain_request_payload_carries_no_new_fields() -> None:
             "invalid JSON schema at type",
         ),
         ({"chat_template_kwargs": {"x": object()}}, "chat_template_kwargs must be JSON-serializable"),
+        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs may not set tokenize"),
     ],
 )
 def test_bad_values_get_a_clear_error(fields: dict[str, Any], message: str) -> None:
