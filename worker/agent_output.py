@@ -9,12 +9,14 @@ arrives (or the output ends).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.core.params import SamplingParams
 from producer.models import GenerationRequest, ToolCall, ToolCallFunction
 
 Part = Literal["text", "reasoning", "tool"]
@@ -163,6 +165,16 @@ def splitter_for(tokenizer: Any, request: GenerationRequest, prompt: list[int]) 
         tools=tool_dicts(request) if tools else None,
         starts_in=starts_in,
     )
+
+
+def stop_after_one_call(
+    sampling: SamplingParams, output: OutputSplitter | None, request: GenerationRequest
+) -> SamplingParams:
+    """With parallel_tool_calls false, the first tool call's end marker ends the row (a stop string:
+    the call, unterminated in the text, is parsed when the output ends); other rows go on."""
+    if output is None or output.tool_markers is None or request.parallel_tool_calls is not False:
+        return sampling
+    return dataclasses.replace(sampling, stop=(*sampling.stop, output.tool_markers[1]))
 
 
 def tools_rendered(request: GenerationRequest) -> bool:

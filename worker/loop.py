@@ -61,7 +61,7 @@ from producer.protocol import (
 )
 from worker import rqexec
 from worker.affinity import Affinity
-from worker.agent_output import OutputSplitter, Piece, splitter_for
+from worker.agent_output import OutputSplitter, Piece, splitter_for, stop_after_one_call
 from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
 from worker.held import HeldJob
@@ -335,7 +335,7 @@ class WorkerLoop:
             queue=queue,
             execution=execution,
             request=request,
-            sampling=sampling,
+            sampling=stop_after_one_call(sampling, output, request),
             prompt_tokens=tokens,
             output=output,
             enqueued_at=enqueued,

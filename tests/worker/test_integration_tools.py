@@ -5,8 +5,9 @@ MLP outputs are zero), so the next token depends on the last token alone through
 its embeddings and head. Its tokenizer is the builtin SmolLM2 one plus three added tokens (`<tool_call>`,
 the call's JSON, `</tool_call>`) and a ChatML template that declares tools the way Qwen's does, so mlx-lm
 finds its tool parser (json_tools) as it would for a real model. After the generation prompt the table
-says `<tool_call>` (a weak preference); the call's tokens follow each other, then `<|im_end|>`. In the
-second turn a logit_bias on "Sun" outweighs that preference for the first token only: "Sun" -> `<|im_end|>`.
+says `<tool_call>` (a weak preference); the call's tokens follow each other, and after `</tool_call>` comes
+the next call, until max_tokens or, with parallel_tool_calls false, the first call's end. In the second
+turn a logit_bias on "Sun" outweighs that preference for the first token only: "Sun" -> `<|im_end|>`.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
             newline: (start, 1.0),
             start: (call, 50.0),
             call: (end, 50.0),
-            end: (im_end, 50.0),
+            end: (start, 50.0),
             answer: (im_end, 50.0),
         },
     )
@@ -123,7 +124,13 @@ def producer(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_a_tool_call_its_result_and_the_final_answer(producer: Producer, model_folder: Path) -> None:
-    first = {"agent_id": "tool-agent", "messages": [QUESTION], "tools": [WEATHER], "max_tokens": 8}
+    first = {
+        "agent_id": "tool-agent",
+        "messages": [QUESTION],
+        "tools": [WEATHER],
+        "parallel_tool_calls": False,
+        "max_tokens": 8,
+    }
     handle = producer.submit(first)
     calls = [event.data for event in handle.events(timeout=300) if event.kind == "tool_call"]
     result = handle.result(timeout=60)
@@ -151,3 +158,27 @@ def test_a_tool_call_its_result_and_the_final_answer(producer: Producer, model_f
     )
     # The call rendered back through the template is what the model generated: the agent's KV resumes.
     assert final.usage.reused_tokens >= result.usage.prompt_tokens
+
+
+def test_a_tool_calls_end_ends_only_its_row(producer: Producer) -> None:
+    """One batch: a row that may make one call only, one that may make several, one offered no tools."""
+    base = {"messages": [QUESTION], "max_tokens": 8}
+    one, several, plain = producer.submit_many(
+        [
+            {**base, "tools": [WEATHER], "parallel_tool_calls": False},
+            {**base, "tools": [WEATHER]},
+            base,
+        ]
+    )
+    one_call = one.result(timeout=300)
+    assert one_call.finish_reason == "tool_calls" and len(one_call.token_ids) == 3
+    assert one_call.tool_calls is not None and len(one_call.tool_calls) == 1
+
+    calls = several.result(timeout=300)
+    assert calls.finish_reason == "length" and len(calls.token_ids) == 8
+    assert calls.tool_calls is not None and len(calls.tool_calls) == 3  # the third one's end was cut off
+    assert calls.text == ""
+
+    untouched = plain.result(timeout=300)  # no tools offered: the markup is plain text, nothing parsed
+    assert untouched.tool_calls is None and len(untouched.token_ids) == 8
+    assert untouched.text.startswith(f"<tool_call>{CALL}</tool_call>")
