@@ -7,7 +7,8 @@ import json
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from worker.agent_output import OutputSplitter, Piece
+from producer.models import GenerationRequest
+from worker.agent_output import OutputSplitter, Piece, splitter_for
 
 OUTPUT = (
     '<think>The user wants the weather.</think>Let me check. <tool_call>{"name": "get_weather", '
@@ -73,3 +74,49 @@ def test_an_unterminated_but_complete_call_is_parsed() -> None:
     split = splitter()
     feed_in_pieces(split, '<tool_call>{"name": "f", "arguments": {"x": 1}}', 4)
     assert [c.function.name for c in split.tool_calls] == ["f"]
+
+
+class ThinkingTokenizer:
+    """What splitter_for reads of mlx-lm's TokenizerWrapper, for a template that marks thinking with
+    tokens 1 (<think>) and 2 (</think>) and declares json_tools tool calling."""
+
+    has_thinking = True
+    think_start, think_end = "<think>", "</think>"
+    has_tool_calling = True
+    tool_call_start, tool_call_end = json_tools.tool_call_start, json_tools.tool_call_end
+    tool_parser = staticmethod(json_tools.parse_tool_call)
+
+    @staticmethod
+    def rfind_think_start(tokens: list[int]) -> int:
+        return max((i for i, t in enumerate(tokens) if t == 1), default=-1)
+
+    @staticmethod
+    def rfind_think_end(tokens: list[int]) -> int:
+        return max((i for i, t in enumerate(tokens) if t == 2), default=-1)
+
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "prompt", "expected"),
+    [
+        ({}, [5, 6], ("text", True, False)),
+        ({}, [5, 1, 6], ("reasoning", True, False)),  # the prompt left <think> open
+        ({}, [1, 2, 6], ("text", True, False)),
+        ({"tools": [TOOL]}, [5], ("text", True, True)),
+        ({"tools": [TOOL], "tool_choice": "none"}, [5], ("text", True, False)),  # tools not offered
+    ],
+)
+def test_splitter_for_reads_the_tokenizers_markers(
+    fields: dict[str, object], prompt: list[int], expected: tuple[str, bool, bool]
+) -> None:
+    request = GenerationRequest(messages=[{"role": "user", "content": "hi"}], **fields)  # type: ignore[arg-type]
+    split = splitter_for(ThinkingTokenizer(), request, prompt)
+    assert split is not None
+    assert (split.starts_in, split.think is not None, split.tool_markers is not None) == expected
+
+
+def test_nothing_to_split_for_a_plain_tokenizer() -> None:
+    request = GenerationRequest(messages=[{"role": "user", "content": "hi"}])
+    assert splitter_for(object(), request, [1]) is None
