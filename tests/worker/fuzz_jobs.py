@@ -137,7 +137,10 @@ def _bad_messages(rng: random.Random) -> tuple[Any, str]:
         ({"role": "user", "content": content}, "messages"),
         ([_word(rng)], "messages.0"),
         ([{"content": content}], "messages.0.role"),
-        ([{"role": "user"}], "messages.0.content"),
+        (
+            [{"role": "user"}],
+            "messages.0",
+        ),  # "content may be left out only on an assistant message with tool_calls"
         ([{"role": "user", "content": rng.randint(0, 9)}], "messages.0.content"),
         ([{"role": "", "content": content}], "messages.0.role"),
         ([{"role": "not a role " + _word(rng), "content": content}], "messages.0.role"),
