@@ -201,3 +201,21 @@ def test_bad_values_are_refused_before_the_batch(
     with pytest.raises(InvalidRequestError, match=message):
         engine.submit(None, PROMPTS[0], SamplingParams(max_tokens=4, **fields))
     assert engine.active() == 0 and engine.pool.used_blocks == 0
+
+
+def test_rows_of_a_state_space_model_mix_too() -> None:
+    """The checkpointing backend (SSM state, engine/batch/checkpoints.py) steps mixed rows the same way.
+
+    One prompt for every row: mlx-lm's BatchGenerator left-pads prompts of different lengths, and padding
+    run through an SSM's state moves a row's logprobs by up to ~1e-2 (tokens stay equal), whatever the
+    processors; here the rows differ in their settings only."""
+    model = tiny_model("mamba")
+    engine = BlockPoolBatchEngine(
+        model, ByteTokenizer(), model_name="tiny-mamba", pool_blocks=32, max_batch=16
+    )
+    try:
+        rows = [(PROMPTS[1], case) for case in CASES.values()]
+        for (prompt, case), completion in zip(rows, run(engine, rows), strict=True):
+            check_against_reference(model, prompt, case, completion)
+    finally:
+        engine.close()
