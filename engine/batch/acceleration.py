@@ -9,15 +9,14 @@ build) each falls back to MLX's own ops, so the engine still runs, as it does on
 
 from __future__ import annotations
 
-import importlib
 import logging
 from contextlib import AbstractContextManager, nullcontext
-from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
 
 from engine.batch.attention import AttentionCall, fused_attention
+from engine.core.cpu_package import cpu_module
 
 log = logging.getLogger("kvrq.engine")
 
@@ -25,16 +24,7 @@ log = logging.getLogger("kvrq.engine")
 StepShortcuts = Any
 
 
-def _cpu_door() -> ModuleType | None:
-    try:
-        return importlib.import_module("engine.cpu.door")
-    except ModuleNotFoundError as missing:
-        if missing.name not in ("engine.cpu", "engine.cpu.door"):
-            raise
-        return None
-
-
-_door = _cpu_door()
+_door = cpu_module("door")
 
 
 _logged: set[str] = set()

@@ -189,12 +189,18 @@ def test_a_cache_folder_another_user_owns_is_refused(
     fall_back(caplog, "is owned by uid 65534")
 
 
-def test_the_engine_runs_with_the_cpu_package_deleted(tmp_path: Path) -> None:
-    """engine/ without engine/cpu/ (a copy): the same greedy tokens as with it, on MLX's own ops."""
+def without_cpu(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A copy of engine/ without engine/cpu/, and an environment that imports it before the repo's."""
     copy = tmp_path / "repo"
     copy.mkdir()
     shutil.copytree(REPO / "engine", copy / "engine", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.rmtree(copy / "engine" / "cpu")
+    return copy, {**os.environ, "PYTHONPATH": f"{copy}{os.pathsep}{REPO}"}
+
+
+def test_the_engine_runs_with_the_cpu_package_deleted(tmp_path: Path) -> None:
+    """engine/ without engine/cpu/ (a copy): the same greedy tokens as with it, on MLX's own ops."""
+    copy, env = without_cpu(tmp_path)
     script = (
         "import sys, engine.batch.acceleration as a\n"
         "from engine.batch.engine import BlockPoolBatchEngine\n"
@@ -211,7 +217,6 @@ def test_the_engine_runs_with_the_cpu_package_deleted(tmp_path: Path) -> None:
         "assert 'engine.cpu' not in sys.modules\n"
         "print([done[u] for u in uids])\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{copy}{os.pathsep}{REPO}"}
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=copy, env=env, capture_output=True, text=True, timeout=300
     )
@@ -222,3 +227,29 @@ def test_the_engine_runs_with_the_cpu_package_deleted(tmp_path: Path) -> None:
     finished = run_all(engine)
     engine.close()
     assert done.stdout.strip() == str([finished[uid].token_ids for uid in uids])
+
+
+def test_the_worker_starts_with_the_cpu_package_deleted(tmp_path: Path) -> None:
+    """`kvrq worker` without engine/cpu/ (a copy): its start (the OpenBLAS re-exec, the settings, the
+    engine on a tiny model, the store) runs on MLX's own ops, up to where it waits for Redis."""
+    copy, env = without_cpu(tmp_path)
+    script = (
+        "import sys, engine.models.load, worker.serve\n"
+        "from tests.engine.tiny import ByteTokenizer, tiny_model\n"
+        "from worker.cli.main import main\n"
+        "class Started(Exception): pass\n"
+        "def started(url): raise Started(url)\n"
+        "engine.models.load.load_model = lambda name: (tiny_model('llama'), ByteTokenizer())\n"
+        "worker.serve.wait_for_redis = started\n"
+        "try:\n"
+        "    main(['worker', '--model', 'tiny-llama', '--pool-blocks', '64', '--store', 'disk:cache'])\n"
+        "except Started:\n"
+        "    assert 'engine.cpu' not in sys.modules\n"
+        "    print('started')\n"
+    )
+    env |= {"KVRQ_LOG_LEVEL": "info"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=copy, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "started", done.stderr[-3000:]
+    assert "CPU shortcuts: none (engine/cpu is not installed)" in done.stderr

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from engine.core.cpu_package import cpu_module
 from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
 from producer.redact import redact_url
 from worker.settings import WorkerSettings
@@ -231,12 +232,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _fast_blas(argv: list[str]) -> None:
+    """Re-exec `argv` with OpenBLAS preloaded where that helps (engine/cpu/blas.py); a checkout
+    without engine/cpu starts on MLX's own BLAS."""
+    blas = cpu_module("blas")
+    if blas is not None:
+        blas.ensure_fast_blas(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["worker"]:
-        from engine.cpu.blas import ensure_fast_blas
-
-        ensure_fast_blas(sys.argv if argv is None else [sys.argv[0], *arguments])  # re-execs with OpenBLAS
+        _fast_blas(sys.argv if argv is None else [sys.argv[0], *arguments])
     parser = build_parser()
     args = parser.parse_args(arguments)
     try:
