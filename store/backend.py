@@ -424,6 +424,7 @@ class BlockBackend(ABC):
             created=time.time(),
             fence=fence,
             part_bytes=self.part_bytes,
+            namespace=self.namespace,
         )
         return WritePlan(draft, slots)
 

@@ -34,6 +34,7 @@ class CacheInfo:
         0  # of n_blocks: full blocks, in the shared area (once for all agents with those tokens)
     )
     pinned: bool = False  # never evicted by the store's budget or TTL (`kvrq cache pin`)
+    namespace: str = ""  # the tenant whose shared area holds its full blocks ("": not recorded)
 
 
 @runtime_checkable

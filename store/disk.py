@@ -430,6 +430,7 @@ class DiskStore(BlockBackend):
             n_blocks=summary.n_blocks,
             shared_blocks=sum(1 for name, _ in summary.blocks if parse_shared_name(name)),
             pinned=self._pinned(key),
+            namespace=summary.namespace,
         )
 
     def pin(self, agent_id: str) -> bool:

@@ -347,7 +347,15 @@ class HotTierStore:
             cache = self._unwritten(agent_id)
         if cache is None:
             return self.backend.info(agent_id)
-        return CacheInfo(agent_id, cache.n_tokens, cache.nbytes, time.time(), "none", len(cache.blocks))
+        return CacheInfo(
+            agent_id,
+            cache.n_tokens,
+            cache.nbytes,
+            time.time(),
+            "none",
+            len(cache.blocks),
+            namespace=self.backend.namespace,
+        )
 
     def stats(self) -> dict[str, int]:
         with self._cond:

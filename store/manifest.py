@@ -63,6 +63,7 @@ class Manifest:
     created: float
     fence: int = 0  # the writer's fencing token: a put with a lower one is dropped as stale
     part_bytes: int = 0  # blocks are stored as values of at most this many bytes; 0: one value per block
+    namespace: str = ""  # the writing store's namespace, whose shared area holds its full blocks
 
     @property
     def n_tokens(self) -> int:
@@ -159,6 +160,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "created": repr(manifest.created),
         "fence": str(manifest.fence),
         "part_bytes": str(manifest.part_bytes),
+        "namespace": manifest.namespace,
         "tokens_crc32": str(zlib.crc32(tokens.data)),
     }
     metadata["checksum"] = str(_metadata_checksum(metadata))
@@ -254,6 +256,7 @@ def _build(metadata: dict[str, str], tokens: np.ndarray, agent_id: str, spec: Mo
         created=float(metadata["created"]),
         fence=_fence(metadata),
         part_bytes=_part_bytes(metadata),
+        namespace=metadata.get("namespace", ""),
     )
 
 
@@ -311,6 +314,7 @@ class ManifestSummary:
     blocks: tuple[tuple[str, int], ...]  # (name, nbytes) of each block whose name is safe
     fence: int
     part_bytes: int
+    namespace: str  # "" for a manifest written before the namespace was recorded
 
     @property
     def block_names(self) -> tuple[str, ...]:
@@ -332,6 +336,7 @@ def summarize_manifest(blob: bytes | bytearray | memoryview) -> ManifestSummary:
             blocks=tuple((str(entry[0]), int(entry[3])) for entry in raw_blocks if _safe_name(str(entry[0]))),
             fence=_fence(metadata),
             part_bytes=_part_bytes(metadata),
+            namespace=metadata.get("namespace", ""),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise BadCacheError(BAD_MANIFEST, f"manifest fields are inconsistent: {exc}") from None

@@ -747,6 +747,7 @@ class RedisStore(BlockBackend):
             n_blocks=summary.n_blocks,
             shared_blocks=sum(1 for name, _ in summary.blocks if parse_shared_name(name)),
             pinned=bool(self._client.sismember(self._pinned, agent_id)),
+            namespace=summary.namespace,
         )
 
     def _usage(self) -> builtins.list[Usage]:

@@ -1,6 +1,7 @@
 """rq's contract kept by the worker's own parts, without a model: rq's scheduler run by the loop
-(worker/scheduled.py), stop-job vs cancel, callbacks, and dependents of a job failed past its
-crash budget. The same behaviours end to end, beside a plain `rq worker`: test_rq_conformance.py."""
+(worker/scheduled.py), stop-job vs cancel, callbacks (one that raises changes nothing else), and
+dependents of a job failed past its crash budget or re-run after a crash. The same behaviours end
+to end, beside a plain `rq worker`: test_rq_conformance.py."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from producer.protocol import (
     CRASH_BUDGET_META_KEY,
     JOB_FUNCTION,
     cancel_key,
+    worker_alive_key,
     worker_queue_name,
 )
+from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
 from tests.worker.procs import RedisProcess
 from tests.worker.rq_functions import calls_key
@@ -118,6 +121,31 @@ def test_a_dead_workers_jobs_and_their_dependents(connection: Redis) -> None:
     assert (tolerant.get_status(), strict.get_status()) == (JobStatus.QUEUED, JobStatus.DEFERRED)
 
 
+def test_dependents_of_a_parent_rerun_after_a_crash_run_once_the_rerun_finishes() -> None:
+    """Worker loops on one Redis: the parent's worker dies mid-job, another re-runs the parent, and only
+    when that re-run finishes do its dependents (one strict, one failure-tolerant) run, once each."""
+    h = Harness()
+    queue = Queue("kvrq", connection=h.redis, serializer="json")
+    parent = queue.enqueue(JOB_FUNCTION, {"prompt": "x", "max_tokens": 40})
+    strict = queue.enqueue(JOB_FUNCTION, {"prompt": "y", "max_tokens": 2}, depends_on=parent)
+    tolerant = queue.enqueue(
+        JOB_FUNCTION,
+        {"prompt": "z", "max_tokens": 2},
+        depends_on=Dependency(jobs=[parent], allow_failure=True),
+    )
+    h.run_until(lambda: parent.get_status() == JobStatus.STARTED)
+    dead = h.loop.worker.name
+    h.redis.delete(worker_alive_key(dead))  # the worker is gone; nothing drives its loop any more
+    h.loop = h.new_loop(FakeEngine())
+    h.run_until(lambda: parent.get_meta().get("kvrq_crashes") == 1)  # the survivor's crash check
+    assert (strict.get_status(), tolerant.get_status()) == (JobStatus.DEFERRED, JobStatus.DEFERRED)
+    h.run_until(lambda: parent.get_status() == JobStatus.FINISHED)
+    assert h.producer.handle(parent.id).result(timeout=1).worker == h.loop.worker.name != dead
+    h.run_until(lambda: h.statuses([h.producer.handle(j.id) for j in (strict, tolerant)]) == ["finished"] * 2)
+    for job in (parent, strict, tolerant):
+        assert len(Job.fetch(job.id, connection=h.redis, serializer="json").results()) == 1  # ran once
+
+
 def test_rqs_stop_command_stops_a_job_and_runs_its_stopped_callback() -> None:
     h = Harness()
     stopped = h.producer.submit({"prompt": "x", "max_tokens": 1000})
@@ -143,3 +171,20 @@ def test_a_success_callback_that_raises_leaves_the_job_finished(caplog: pytest.L
     assert Job.fetch(handle.id, connection=h.redis, serializer="json").return_value() is not None
     assert f"job {handle.id}: its on_success callback failed" in caplog.text
     assert [c["kind"] for c in calls(h.redis, handle.id)] == ["raising"]
+
+
+def test_a_stopped_callback_that_raises_is_logged_and_changes_nothing_else(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = Harness()
+    handle = h.producer.submit({"prompt": "x", "max_tokens": 1000})
+    h.redis.hset(handle.job().key, "stopped_callback_name", f"{FUNCTIONS}.raising")
+    h.run_until(lambda: handle.status() == "started")
+    h.loop.worker.commands.put({"command": "stop-job", "job_id": handle.id})
+    h.run_until(lambda: handle.status() == "stopped")
+    assert [c["kind"] for c in calls(h.redis, handle.id)] == ["raising"]  # it ran, and raised
+    assert f"job {handle.id}: its on_stopped callback failed" in caplog.text
+    # the same ending as with a callback that returns: stopped, in the FailedJobRegistry, not retried
+    assert handle.id in FailedJobRegistry("kvrq", connection=h.redis, serializer="json")
+    assert h.loop.counts["stopped"] == 1 and h.loop.counts["failed"] == 0
+    assert not h.loop.scheduler.all() and h.engine.pool.free_blocks == h.engine.pool.total_blocks

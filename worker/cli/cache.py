@@ -3,7 +3,8 @@
 It opens the store itself (store.open_for_admin: manifests only, no model, no MLX), the one the
 workers use: `--store` or KVRQ_STORE (`redis`: KVRQ_REDIS_URL's Redis). Programs call the same
 backend methods (`list`, `info`, `delete`, `pin`, `unpin`); Producer has none of them, since
-the producer package depends on nothing else in kvrq (docs/worker.md, "Agents' caches").
+the producer package depends on nothing else in kvrq and the store may not import it
+(docs/worker.md, "Agents' caches").
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ def add_cache_commands(commands: argparse._SubParsersAction) -> None:
     cache.add_argument("--store", help="disk:PATH, redis (KVRQ_REDIS_URL's) or redis://... [$KVRQ_STORE]")
     actions = cache.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
-    actions.add_parser("list", help="every stored agent, most recently used first")
+    listing = actions.add_parser(
+        "list",
+        help="every stored agent, most recently used first",
+        description="Every stored agent, most recently used first. SHARED/ALL BLOCKS: of the agent's "
+        "blocks (ALL), those in its namespace's shared area (SHARED: full blocks stored once for every "
+        "agent of the namespace with the same tokens, kept while any of them uses them). NAMESPACE: the "
+        "tenant of the store that last wrote the agent ('-': written before kvrq recorded it).",
+    )
+    listing.add_argument("--namespace", metavar="NS", help="only the agents of this namespace")
     for name, text in (
         ("show", "one agent's cache"),
         ("delete", "delete agents' caches"),
@@ -62,7 +71,7 @@ def run_cache_command(
         return EXIT_USAGE
     try:
         if args.action == "list":
-            return list_agents(store, out)
+            return list_agents(store, out, namespace=args.namespace)
         return per_agent(store, args.action, args.agents, out, err)
     except InvalidAgentIdError as exc:
         print(f"kvrq cache: {exc}", file=err)
@@ -71,16 +80,19 @@ def run_cache_command(
         store.close()
 
 
-def list_agents(store: BlockBackend, out: IO[str]) -> int:
+def list_agents(store: BlockBackend, out: IO[str], *, namespace: str | None = None) -> int:
     infos = [info for info in (store.info(agent) for agent in store.list()) if info is not None]
+    if namespace is not None:
+        infos = [info for info in infos if info.namespace == namespace]
     if not infos:
-        print("no agent caches", file=out)
+        print("no agent caches" + (f" in namespace {namespace}" if namespace is not None else ""), file=out)
         return EXIT_OK
-    rows = [("AGENT", "TOKENS", "SIZE", "LAST USE", "SHARED BLOCKS", "PINNED")]
+    rows = [("AGENT", "NAMESPACE", "TOKENS", "SIZE", "LAST USE", "SHARED/ALL BLOCKS", "PINNED")]
     for info in sorted(infos, key=lambda i: i.last_used, reverse=True):
         rows.append(
             (
                 info.agent_id,
+                namespace_text(info.namespace),
                 str(info.n_tokens),
                 size_text(info.nbytes),
                 ago_text(info.last_used),
@@ -126,6 +138,7 @@ def show_text(info: CacheInfo) -> str:
     return "\n".join(
         (
             f"agent {info.agent_id}",
+            f"  namespace: {namespace_text(info.namespace)}",
             f"  tokens: {info.n_tokens}",
             f"  size: {size_text(info.nbytes)} ({info.nbytes} bytes, quantization {info.quantization})",
             f"  blocks: {info.n_blocks}, of them in the shared area: {info.shared_blocks}",
@@ -133,6 +146,10 @@ def show_text(info: CacheInfo) -> str:
             f"  pinned: {'yes' if info.pinned else 'no'}",
         )
     )
+
+
+def namespace_text(namespace: str) -> str:
+    return namespace or "-"  # "-": a manifest written before kvrq recorded the namespace
 
 
 def size_text(nbytes: int) -> str:

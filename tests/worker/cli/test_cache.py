@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -49,12 +50,15 @@ def test_list_and_show_give_tokens_size_last_use_shared_blocks_and_pin(
     code, out, _ = cache(uri, "list", capsys=capsys)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["AGENT", "TOKENS", "SIZE", "LAST", "USE", "SHARED", "BLOCKS", "PINNED"]
+    assert lines[0].split() == [
+        *("AGENT", "NAMESPACE", "TOKENS", "SIZE", "LAST", "USE", "SHARED/ALL", "BLOCKS", "PINNED")
+    ]
     rows = {line.split()[0]: line.split() for line in lines[1:4]}
+    assert {row[1] for row in rows.values()} == {"default"}  # the store's namespace, recorded by each put
     # full blocks live in the shared area (stored once for every agent with the same tokens)
-    assert rows["bob"][1] == "84" and rows["bob"][-2:] == ["5/6", "yes"]  # 84 tokens: 5 full blocks + 1
-    assert rows["alice"][1] == "74" and rows["alice"][-1] == "4/5"
-    assert rows["carol"][1] == "5" and rows["carol"][-1] == "0/1"
+    assert rows["bob"][2] == "84" and rows["bob"][-2:] == ["5/6", "yes"]  # 84 tokens: 5 full blocks + 1
+    assert rows["alice"][2] == "74" and rows["alice"][-1] == "4/5"
+    assert rows["carol"][2] == "5" and rows["carol"][-1] == "0/1"
     assert [line.split()[0] for line in lines[1:4]] == ["carol", "bob", "alice"]  # most recent first
     assert lines[4].startswith("3 agent(s), ")
     info = store.info("alice")
@@ -62,7 +66,34 @@ def test_list_and_show_give_tokens_size_last_use_shared_blocks_and_pin(
     code, out, _ = cache(uri, "show", "alice", capsys=capsys)
     assert code == 0 and "  tokens: 74" in out and f"({info.nbytes} bytes, quantization none)" in out
     assert "  blocks: 5, of them in the shared area: 4" in out and "  pinned: no" in out
+    assert "  namespace: default" in out
     assert "s ago" in out
+
+
+def test_list_shows_and_filters_by_namespace(
+    store_uri: tuple[str, BlockBackend], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store opened for another tenant keeps its full blocks apart; the CLI says whose each agent is."""
+    uri, store = store_uri
+    other: BlockBackend
+    if isinstance(store, DiskStore):
+        other = DiskStore(store.root, tiny_spec(), namespace="team-b")
+    else:
+        other = RedisStore(uri, tiny_spec(), namespace="team-b")
+    with contextlib.closing(other):
+        other.put("dave", make_cache(other.spec, PREFIX + tokens(3, seed=4)))
+    dave = store.info("dave")
+    assert dave is not None and dave.namespace == "team-b" and dave.shared_blocks == 4
+    code, out, _ = cache(uri, "list", "--namespace", "team-b", capsys=capsys)
+    assert code == 0
+    assert [line.split()[:3] for line in out.splitlines()[1:-1]] == [["dave", "team-b", "67"]]
+    code, out, _ = cache(uri, "list", "--namespace", "default", capsys=capsys)
+    assert sorted(line.split()[0] for line in out.splitlines()[1:-1]) == ["alice", "bob", "carol"]
+    assert cache(uri, "list", "--namespace", "nobody", capsys=capsys)[:2] == (
+        0,
+        "no agent caches in namespace nobody\n",
+    )
+    assert "  namespace: team-b" in cache(uri, "show", "dave", capsys=capsys)[1]
 
 
 def test_delete_pin_unpin_and_their_errors(
