@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,8 +30,11 @@ def store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[
     else:
         uri = request.getfixturevalue("redis_url")
         store = RedisStore(uri, tiny_spec())
+    # Apart in time: a file's mtime (the disk store's last use) may tick only every few milliseconds.
     store.put("alice", make_cache(store.spec, PREFIX + tokens(10, seed=1)))
+    time.sleep(0.05)
     store.put("bob", make_cache(store.spec, PREFIX + tokens(20, seed=2)))
+    time.sleep(0.05)
     store.put("carol", make_cache(store.spec, tokens(5, seed=3)))
     yield uri, store
     store.close()
