@@ -15,7 +15,6 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from engine.core.cpu_package import cpu_module
 from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
 from producer.redact import redact_url
 from worker.settings import WorkerSettings
@@ -234,7 +233,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _fast_blas(argv: list[str]) -> None:
     """Re-exec `argv` with OpenBLAS preloaded where that helps (engine/cpu/blas.py); a checkout
-    without engine/cpu starts on MLX's own BLAS."""
+    without engine/cpu starts on MLX's own BLAS. Imported here: the client commands import no engine."""
+    from engine.core.cpu_package import cpu_module
+
     blas = cpu_module("blas")
     if blas is not None:
         blas.ensure_fast_blas(argv)
