@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from engine.core.params import SamplingParams
 from producer.models import GenerationRequest, ToolCall, ToolCallFunction
+from worker.jobs import JobRejected
 
 Part = Literal["text", "reasoning", "tool"]
 
@@ -165,6 +166,16 @@ def splitter_for(tokenizer: Any, request: GenerationRequest, prompt: list[int]) 
         tools=tool_dicts(request) if tools else None,
         starts_in=starts_in,
     )
+
+
+def refuse_grammar_in_reasoning(sampling: SamplingParams, output: OutputSplitter | None) -> None:
+    """A grammar holds the output from its first token, so a prompt that leaves thinking open (the
+    model would write its reasoning first) cannot take one: JobRejected, with the way out."""
+    if sampling.grammar is not None and output is not None and output.starts_in == "reasoning":
+        raise JobRejected(
+            f"invalid request: the {sampling.grammar.what} holds the output from its first token, but this "
+            'template starts the answer in thinking: send chat_template_kwargs {"enable_thinking": false}'
+        )
 
 
 def stop_after_one_call(

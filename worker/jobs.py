@@ -12,6 +12,8 @@ Payload forms a worker accepts (rq JSON serializer):
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -19,8 +21,8 @@ from rq.exceptions import DeserializationError
 from rq.job import Job
 
 from engine.core.errors import InvalidRequestError
-from engine.core.params import SamplingParams
-from producer.models import QUEUE_OPTION_FIELDS, GenerationRequest
+from engine.core.params import OutputGrammar, SamplingParams
+from producer.models import QUEUE_OPTION_FIELDS, GenerationRequest, JsonObjectFormat, JsonSchemaFormat
 from producer.protocol import JOB_FUNCTION
 from worker.job_data import BoundedJob
 
@@ -78,25 +80,39 @@ def sampling_of(request: GenerationRequest) -> SamplingParams:
         logit_bias=tuple(sorted(request.logit_bias_ids.items())),
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs or 0,
+        grammar=output_grammar(request),
     )
 
 
-def checked_sampling(request: GenerationRequest, vocab_size: int) -> SamplingParams:
-    """sampling_of(request), checked against the model (a logit_bias id past its vocabulary), or
-    JobRejected: refused when the job is taken, before it waits for a batch slot."""
+def output_grammar(request: GenerationRequest) -> OutputGrammar | None:
+    """response_format as the grammar the answer is held to (json_object: any JSON object)."""
+    response_format = request.response_format
+    if isinstance(response_format, JsonObjectFormat):
+        return OutputGrammar("json_schema", '{"type": "object"}', "response_format json_object")
+    if isinstance(response_format, JsonSchemaFormat):
+        spec = response_format.json_schema
+        source = json.dumps(spec.json_schema, sort_keys=True, separators=(",", ":"))
+        return OutputGrammar("json_schema", source, f"response_format schema {spec.name!r}")
+    return None
+
+
+def checked_sampling(request: GenerationRequest, check: Callable[[SamplingParams], None]) -> SamplingParams:
+    """sampling_of(request), checked against the model by `check` (the engine's: a logit_bias id past
+    its vocabulary, a schema its grammar library cannot enforce), or JobRejected: refused when the
+    job is taken, before it waits for a batch slot."""
     if request.tool_choice == "required" or not isinstance(request.tool_choice, str | None):
         raise JobRejected(
             "invalid request: tool_choice 'required' or a named function is not enforced by this worker "
             "(tool calls are not grammar-constrained yet): send tool_choice 'auto' or leave it out"
         )
-    if request.response_format is not None and request.response_format.type != "text":
+    if output_grammar(request) is not None and request.tools and request.tool_choice != "none":
         raise JobRejected(
-            f"invalid request: response_format {request.response_format.type!r} needs structured output, "
-            "which this worker does not enforce"
+            "invalid request: response_format json_object / json_schema holds the whole answer to JSON, "
+            "so the tools offered could never be called: send tool_choice 'none' or leave response_format out"
         )
     sampling = sampling_of(request)
     try:
-        sampling.validate(vocab_size)
+        check(sampling)
     except InvalidRequestError as exc:
         raise JobRejected(f"invalid request: {exc}") from None
     return sampling

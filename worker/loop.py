@@ -61,7 +61,13 @@ from producer.protocol import (
 )
 from worker import rqexec
 from worker.affinity import Affinity
-from worker.agent_output import OutputSplitter, Piece, splitter_for, stop_after_one_call
+from worker.agent_output import (
+    OutputSplitter,
+    Piece,
+    refuse_grammar_in_reasoning,
+    splitter_for,
+    stop_after_one_call,
+)
 from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
 from worker.held import HeldJob
@@ -299,9 +305,10 @@ class WorkerLoop:
             return
         try:
             request = request_from_job(job)
-            sampling = checked_sampling(request, self.engine.vocab_size)
+            sampling = checked_sampling(request, self.engine.check)
             tokens = prompt_tokens(self.engine.tokenizer, request)
             output = splitter_for(self.engine.tokenizer, request, tokens)
+            refuse_grammar_in_reasoning(sampling, output)
         except (JobRejected, PromptError) as exc:
             self._reject(job, queue, f"{type(exc).__name__}: {exc}")
             return

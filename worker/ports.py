@@ -23,6 +23,10 @@ class Engine(Protocol):
 
     def admission(self, n_prompt_tokens: int, max_tokens: int) -> Admission: ...
 
+    def check(self, params: SamplingParams) -> None:
+        """InvalidRequestError for params this model can never honour (vocabulary, grammar)."""
+        ...
+
     def free_slots(self) -> int: ...
 
     def submit(

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from engine.batch.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend
 from engine.batch.checkpoints import CheckpointingBatchBackend
+from engine.batch.grammar import GrammarCompiler
 from engine.batch.ragged import route_attention
 from engine.batch.sampling import make_processors, make_sampler
 from engine.batch.textstream import TextStream
@@ -112,6 +113,7 @@ class BlockPoolBatchEngine:
         self.max_context = max_context or getattr(args, "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.vocab_size = int(getattr(args, "vocab_size", 0) or 0)
         self.eos_token_ids = frozenset(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         use_ragged = self.spec.all_full_attention and route_attention(model) if ragged is not False else False
         if ragged and not use_ragged:
             raise ValueError(f"{type(model).__module__} cannot run in the ragged batch")
@@ -207,6 +209,9 @@ class BlockPoolBatchEngine:
                 reused = min(common_prefix_length(cache.token_ids, prompt), len(prompt) - 1)
                 reused = cache.resume_point(reused)  # sliding windows and SSM checkpoints limit it
             stop_ids = self.eos_token_ids | frozenset(int(t) for t in params.stop_tokens)
+            processors = make_processors(params)
+            if params.grammar is not None:
+                processors.append(self.grammars.processor(params.grammar))
             uid = self._backend.insert(
                 prompt,
                 cache,
@@ -214,7 +219,7 @@ class BlockPoolBatchEngine:
                 max_tokens=params.max_tokens,
                 sampler=make_sampler(params),
                 stop_token_ids=stop_ids,
-                processors=make_processors(params),
+                processors=processors,
                 top_logprobs=params.top_logprobs if params.logprobs else None,
             )
         except BaseException:
@@ -234,6 +239,13 @@ class BlockPoolBatchEngine:
         )
         return uid
 
+    def check(self, params: SamplingParams) -> None:
+        """InvalidRequestError for what this model can never honour: a value outside its vocabulary,
+        a grammar that cannot be compiled for its tokenizer. Cheap enough to run when a job is taken."""
+        params.validate(self.vocab_size)
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
+
     def _validate(
         self, prompt_tokens: Sequence[int], params: SamplingParams, cache: AgentCache | None
     ) -> list[int]:
@@ -244,7 +256,7 @@ class BlockPoolBatchEngine:
             raise InvalidRequestError("prompt tokens must be integers")
         if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
-        params.validate(self.vocab_size)
+        self.check(params)
         beyond_context = self._beyond_context(len(prompt), params.max_tokens)
         if beyond_context:
             raise InvalidRequestError(beyond_context)

@@ -7,8 +7,8 @@ requests without loading a model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from engine.core.errors import InvalidRequestError
 
@@ -17,6 +17,19 @@ from engine.core.errors import InvalidRequestError
 LogitsProcessor = Callable[[Any, Any], Any]
 
 MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class OutputGrammar:
+    """What a row's output must match, enforced token by token (engine/batch/grammar.py).
+
+    `source` is text (a JSON schema as JSON, or a Lark grammar), so the value is hashable and
+    compiled once per distinct grammar; `what` names it in errors ("response_format's schema").
+    """
+
+    kind: Literal["json_schema", "lark"]
+    source: str
+    what: str = field(default="grammar", compare=False)
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,7 @@ class SamplingParams:
     logprobs: bool = False  # each generated token's log probability (after the logits processors)
     top_logprobs: int = 0  # and this many most likely tokens of its step
     logits_processors: tuple[LogitsProcessor, ...] = ()  # more per-row processors, applied last
+    grammar: OutputGrammar | None = None  # the output must match it (applied after every processor)
 
     def validate(self, vocab_size: int = 0) -> None:
         """Raise InvalidRequestError for a value no model could honour (`vocab_size`: 0 if unknown)."""
@@ -87,6 +101,7 @@ class SamplingParams:
             or self.presence_penalty
             or self.frequency_penalty
             or self.logits_processors
+            or self.grammar
         )
 
 

@@ -77,6 +77,9 @@ class FakeEngine:
     def free_slots(self) -> int:
         return self.max_batch - len(self._seqs)
 
+    def check(self, params: SamplingParams) -> None:
+        params.validate(self.vocab_size)
+
     def admission(self, n_prompt_tokens: int, max_tokens: int) -> Admission:
         needed = self.spec.blocks_for(n_prompt_tokens + max_tokens)
         if n_prompt_tokens + max_tokens > self.max_context or needed > self.pool.total_blocks:
