@@ -29,6 +29,16 @@ def live_workers(connection: Redis, queue: str) -> list[BaseWorker]:
     registered = Worker.all(
         queue=Queue(queue, connection=connection, serializer=SERIALIZER), serializer=SERIALIZER
     )
+    return alive(connection, registered)
+
+
+def all_live_workers(connection: Redis) -> list[BaseWorker]:
+    """Every registered worker that is alive, whatever its queues."""
+    return alive(connection, Worker.all(connection=connection, serializer=SERIALIZER))
+
+
+def alive(connection: Redis, registered: list[BaseWorker]) -> list[BaseWorker]:
+    """The workers of `registered` that are alive: a kvrq worker needs its liveness key too."""
     if not registered:
         return []
     with connection.pipeline(transaction=False) as pipe:

@@ -222,14 +222,14 @@ def _parse_record(line: int, custom_id: str, record: dict[str, Any]) -> BatchReq
     if not isinstance(body, dict):
         raise LineError("invalid_request", "'body' must be a JSON object")
     agent_id = _agent_id(record.get("kvrq"))
-    request = _chat_request(body) if url == CHAT_URL else _completion_request(body)
+    request = chat_request(body) if url == CHAT_URL else completion_request(body)
     if agent_id is not None:
         request["agent_id"] = agent_id
     request["metadata"] = {"custom_id": custom_id}
     try:
         GenerationRequest.model_validate(request)
     except ValidationError as exc:
-        raise LineError("invalid_request", _validation_message(exc)) from None
+        raise LineError("invalid_request", validation_message(exc)) from None
     model = body.get("model")
     return BatchRequest(
         line=line,
@@ -293,7 +293,7 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
     return out
 
 
-def _chat_request(body: dict[str, Any]) -> dict[str, Any]:
+def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     _check_body_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -355,7 +355,7 @@ def _content(index: int, content: Any) -> str:
     )
 
 
-def _completion_request(body: dict[str, Any]) -> dict[str, Any]:
+def completion_request(body: dict[str, Any]) -> dict[str, Any]:
     _check_body_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -375,7 +375,7 @@ def _completion_request(body: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
-def _validation_message(exc: ValidationError) -> str:
+def validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:3]:
         where = ".".join(str(p) for p in err.get("loc", ())) or "request"
@@ -398,48 +398,8 @@ def success_line(
     prompt_tokens = int(usage.get("prompt_tokens", 0))
     generated = int(usage.get("generated_tokens", 0))
     reused = int(usage.get("reused_tokens", 0))
-    text = str(result.get("text", ""))
-    finish_reason = result.get("finish_reason") or "stop"
     created = int(time.time()) if created is None else created
-    logprobs = result.get("logprobs")
-    if item.url == CHAT_URL:
-        body: dict[str, Any] = {
-            "id": f"chatcmpl-{job_id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": item.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": _assistant_message(text, result),
-                    "logprobs": None
-                    if logprobs is None
-                    else {"content": [_chat_logprob(e) for e in logprobs]},
-                    "finish_reason": finish_reason,
-                }
-            ],
-        }
-    else:
-        body = {
-            "id": f"cmpl-{job_id}",
-            "object": "text_completion",
-            "created": created,
-            "model": item.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None if logprobs is None else _completion_logprobs(logprobs),
-                    "finish_reason": finish_reason,
-                }
-            ],
-        }
-    body["usage"] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": generated,
-        "total_tokens": prompt_tokens + generated,
-        "prompt_tokens_details": {"cached_tokens": reused},
-    }
+    body = response_body(item.url, job_id, item.model, result, created)
     return {
         "id": f"batch_req_{job_id}",
         "custom_id": item.custom_id,
@@ -461,7 +421,62 @@ def success_line(
     }
 
 
-def _assistant_message(text: str, result: Mapping[str, Any]) -> dict[str, Any]:
+def response_body(
+    url: str, job_id: str, model: str, result: Mapping[str, Any], created: int
+) -> dict[str, Any]:
+    """A finished job's result as OpenAI's response body for `url`: a chat.completion or a text_completion."""
+    text = str(result.get("text", ""))
+    finish_reason = result.get("finish_reason") or "stop"
+    logprobs = result.get("logprobs")
+    if url == CHAT_URL:
+        body: dict[str, Any] = {
+            "id": f"chatcmpl-{job_id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": assistant_message(text, result),
+                    "logprobs": None
+                    if logprobs is None
+                    else {"content": [chat_logprob(e) for e in logprobs]},
+                    "finish_reason": finish_reason,
+                }
+            ],
+        }
+    else:
+        body = {
+            "id": f"cmpl-{job_id}",
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None if logprobs is None else completion_logprobs(logprobs),
+                    "finish_reason": finish_reason,
+                }
+            ],
+        }
+    body["usage"] = openai_usage(result.get("usage") or {})
+    return body
+
+
+def openai_usage(usage: Mapping[str, Any]) -> dict[str, Any]:
+    """A kvrq result's usage in OpenAI's shape: the tokens resumed from cache are `cached_tokens`."""
+    prompt_tokens = int(usage.get("prompt_tokens", 0))
+    generated = int(usage.get("generated_tokens", 0))
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": int(usage.get("reused_tokens", 0))},
+    }
+
+
+def assistant_message(text: str, result: Mapping[str, Any]) -> dict[str, Any]:
     """OpenAI's assistant message: content None when the answer is tool calls alone; reasoning as
     mlx-lm's server names it."""
     tool_calls = result.get("tool_calls")
@@ -473,7 +488,7 @@ def _assistant_message(text: str, result: Mapping[str, Any]) -> dict[str, Any]:
     return message
 
 
-def _chat_logprob(entry: Mapping[str, Any]) -> dict[str, Any]:
+def chat_logprob(entry: Mapping[str, Any]) -> dict[str, Any]:
     """One token of chat.completion `logprobs.content`: token, logprob, bytes, top_logprobs."""
     return {
         "token": entry["token"],
@@ -486,7 +501,7 @@ def _chat_logprob(entry: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _completion_logprobs(entries: list[Mapping[str, Any]]) -> dict[str, Any]:
+def completion_logprobs(entries: list[Mapping[str, Any]]) -> dict[str, Any]:
     """text_completion `logprobs`: parallel lists of tokens, their logprobs, top maps and text offsets."""
     offsets, offset = [], 0
     for entry in entries:
