@@ -157,6 +157,14 @@ def test_producer_needs_only_redis_rq_and_pydantic() -> None:
     assert not loaded & {"mlx", "mlx_lm", "numpy", "engine", "store", "worker", "transformers"}
 
 
+def test_http_server_is_a_producer() -> None:
+    """`kvrq serve` (producer/http) imports no MLX and nothing of the worker side."""
+    loaded = _imports_after("import producer.http.app")
+    assert not loaded & {"mlx", "mlx_lm", "numpy", "engine", "store", "worker", "transformers"}
+    loaded = _imports_after("import worker.cli.serve_http, producer.http.app")
+    assert not loaded & {"mlx", "mlx_lm", "numpy", "engine", "store", "transformers"}
+
+
 def test_client_commands_do_not_import_mlx() -> None:
     loaded = _imports_after(
         "from worker.cli import build_parser; build_parser()\n"

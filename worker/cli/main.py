@@ -1,4 +1,4 @@
-"""`kvrq`: worker, generate, status, maintenance, demo, batch, up, dashboard, cache.
+"""`kvrq`: worker, generate, status, maintenance, demo, batch, up, dashboard, cache, serve.
 
 Only `kvrq worker` imports MLX (engine, store), and only once it runs: the other commands
 are Redis clients and start at once.
@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.cli.cache import add_cache_commands
 
     add_cache_commands(commands)
+
+    from worker.cli.serve_http import add_serve_command
+
+    add_serve_command(commands)
     return parser
 
 

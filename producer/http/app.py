@@ -1,0 +1,245 @@
+"""The ASGI app of `kvrq serve`: routes, middleware and error handlers (create_app).
+
+Every generation route does the same: parse the body in its API's shape into GenerationRequest fields
+(400 with the reason), validate them (400), pick the pool serving the model (404 naming the served
+ones, 503 with Retry-After while none is live), refuse when its queue is deeper than the limit (429),
+enqueue, then answer from the job's result or stream its events. A client that goes away, or a request
+that outlives the request timeout (504), cancels its job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from redis import Redis
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from producer.batch.format import CHAT_URL, COMPLETIONS_URL
+from producer.client import JobHandle, Producer
+from producer.http import anthropic_api, openai_api
+from producer.http.bridge import DEFAULT_THREADS, Bridge, ClientGone, disconnected
+from producer.http.errors import APIError, flavor_of, from_validation, invalid
+from producer.http.guard import ApiKeys, BodyLimit
+from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
+from producer.http.sse import Translator, job_stream, sse_response
+from producer.models import GenerationRequest, GenerationResult
+from producer.protocol import DEFAULT_REDIS_URL
+
+logger = logging.getLogger("kvrq.http")
+
+AGENT_HEADER = "x-kvrq-agent"
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    redis_url: str = DEFAULT_REDIS_URL
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    #: 429 when the model's queue already holds this many jobs (None: no limit).
+    max_queued: int | None = None
+    api_keys: tuple[str, ...] = ()
+    threads: int = DEFAULT_THREADS
+
+
+def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> FastAPI:
+    connection = connection if connection is not None else Redis.from_url(settings.redis_url)
+    bridge = Bridge(Producer(connection=connection), threads=settings.threads)
+    directory = PoolDirectory(connection)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        bridge.close()
+
+    app = FastAPI(title="kvrq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_keys:
+        app.add_middleware(ApiKeys, keys=settings.api_keys)
+    _add_error_handlers(app)
+    front = _Front(settings, bridge, directory)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            pools = await bridge.run(directory.pools)
+        except RedisError as exc:
+            return JSONResponse({"status": "unavailable", "reason": f"Redis: {exc}"}, 503)
+        return JSONResponse({"status": "ok", "models": sorted(pools)})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        pools = await bridge.run(directory.pools)
+        if "anthropic-version" in request.headers:
+            data = [
+                {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+                for name in pools
+            ]
+            first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+            return JSONResponse({"data": data, "has_more": False, "first_id": first, "last_id": last})
+        return JSONResponse({"object": "list", "data": [_openai_model(pool) for pool in pools.values()]})
+
+    @app.post(CHAT_URL)
+    async def chat(request: Request) -> Response:
+        return await front.openai(request, CHAT_URL)
+
+    @app.post(COMPLETIONS_URL)
+    async def completions(request: Request) -> Response:
+        return await front.openai(request, COMPLETIONS_URL)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await front.anthropic(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await front.count_tokens(request)
+
+    return app
+
+
+def _openai_model(pool: Pool) -> dict[str, Any]:
+    return {
+        "id": pool.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvrq",
+        "kvrq": {"queue": pool.queue, "workers": pool.workers},
+    }
+
+
+class _Front:
+    """What the generation routes share: body, validation, pool, enqueue, wait or stream."""
+
+    def __init__(self, settings: ServeSettings, bridge: Bridge, directory: PoolDirectory) -> None:
+        self.settings = settings
+        self.bridge = bridge
+        self.directory = directory
+
+    async def openai(self, request: Request, url: str) -> Response:
+        parsed = openai_api.parse(url, await _body(request), agent=request.headers.get(AGENT_HEADER))
+        pool, handle = await self.submit(request, parsed.model, parsed.fields)
+        if parsed.stream:
+            return self.stream(handle, openai_api.stream_translator(parsed, handle.id, pool.model))
+        result = await self.wait(request, handle)
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(openai_api.response(parsed, pool.model, result))
+
+    async def anthropic(self, request: Request) -> Response:
+        parsed = anthropic_api.parse(await _body(request), agent=request.headers.get(AGENT_HEADER))
+        pool, handle = await self.submit(request, parsed.model, parsed.fields)
+        if parsed.stream:
+            return self.stream(handle, anthropic_api.MessageStream(handle.id, pool.model))
+        result = await self.wait(request, handle)
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(anthropic_api.response(pool.model, result))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The tokenizer and chat template live in the worker: the count is a one-off job of one token
+        (the prompt rendered and prefilled as a real request would be; no agent's cache is touched)."""
+        parsed = anthropic_api.parse(await _body(request), count=True)
+        fields = {
+            **parsed.fields,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "metadata": {"kvrq_http": "count_tokens"},
+        }
+        fields.pop("agent_id", None)
+        _, handle = await self.submit(request, parsed.model, fields)
+        result = await self.wait(request, handle)
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse({"input_tokens": result.usage.prompt_tokens})
+
+    async def submit(
+        self, request: Request, model: str | None, fields: dict[str, Any]
+    ) -> tuple[Pool, JobHandle]:
+        try:
+            generation = GenerationRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        pool = await self.bridge.run(self.directory.resolve, model)
+        generation = generation.model_copy(update={"queue": pool.queue})
+        if self.settings.max_queued is not None:
+            depth = await self.bridge.run(lambda: self.bridge.producer.queue(pool.queue).count)
+            if depth >= self.settings.max_queued:
+                raise APIError(
+                    429,
+                    f"queue {pool.queue!r} holds {depth} jobs, the limit is {self.settings.max_queued}",
+                    code="queue_full",
+                    retry_after=RETRY_AFTER_S,
+                )
+        handle = await self.bridge.submit(generation)
+        logger.info(
+            "job %s: %s %s, model %s, queue %s, agent %s",
+            handle.id,
+            request.method,
+            request.url.path,
+            pool.model,
+            pool.queue,
+            generation.agent_id or "-",
+        )
+        return pool, handle
+
+    async def wait(self, request: Request, handle: JobHandle) -> GenerationResult | None:
+        """The job's result; None when the client went away (its job is canceled)."""
+        try:
+            return await self.bridge.result(
+                handle, timeout=self.settings.request_timeout_s, gone=disconnected(request.receive)
+            )
+        except ClientGone:
+            logger.info("job %s: the client went away; job canceled", handle.id)
+            return None
+
+    def stream(self, handle: JobHandle, translator: Translator) -> Response:
+        return sse_response(
+            job_stream(self.bridge, handle, translator, timeout=self.settings.request_timeout_s)
+        )
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise invalid(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    return body
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(flavor_of(request.url.path)), error.status, headers=error.headers())
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return answer(
+            request, APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        )
+
+    @app.exception_handler(RedisError)
+    async def redis_error(request: Request, exc: RedisError) -> JSONResponse:
+        logger.warning("%s %s: Redis: %s", request.method, request.url.path, exc)
+        return answer(request, APIError(503, f"Redis is unreachable: {exc}", retry_after=RETRY_AFTER_S))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return answer(request, APIError(500, f"internal error: {type(exc).__name__}"))

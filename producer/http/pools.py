@@ -1,0 +1,102 @@
+"""Which models the live workers serve, and on which queue: a request's `model` picks its pool.
+
+Each kvrq worker writes the model it runs into its rq worker hash (protocol.MODEL_FIELD) and listens
+on its shared queue(s) plus a queue of its own (affinity); a pool is the live workers of one model,
+and its queue is the shared queue they listen on (`kvrq` where they listen on several).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from redis import Redis
+
+from producer.http.errors import APIError
+from producer.liveness import all_live_workers
+from producer.protocol import DEFAULT_QUEUE, MODEL_FIELD, shared_queue_of
+
+#: Seconds a reading of the pools is reused (each reading lists the workers: a few Redis round trips).
+POOLS_TTL_S = 1.0
+#: Retry-After (seconds) when a model's workers are all gone: a worker restarting takes about this long.
+RETRY_AFTER_S = 5
+
+
+@dataclass(frozen=True)
+class Pool:
+    model: str
+    queue: str
+    workers: int
+
+
+def served_pools(connection: Redis) -> dict[str, Pool]:
+    """model -> its pool, for every model at least one live kvrq worker runs."""
+    workers = all_live_workers(connection)
+    with connection.pipeline(transaction=False) as pipe:
+        for worker in workers:
+            pipe.hget(worker.key, MODEL_FIELD)
+        models = pipe.execute()
+    queues: dict[str, Counter[str]] = {}
+    counts: Counter[str] = Counter()
+    for worker, raw in zip(workers, models, strict=True):
+        if not raw:
+            continue  # a plain rq worker: it serves no model of ours
+        model = raw.decode() if isinstance(raw, bytes) else str(raw)
+        counts[model] += 1
+        queues.setdefault(model, Counter()).update({shared_queue_of(q) for q in worker.queue_names()})
+    return {model: Pool(model, _queue_of(queues[model]), counts[model]) for model in sorted(counts)}
+
+
+def _queue_of(queues: Counter[str]) -> str:
+    """The pool's queue: the default one where its workers listen there, else the one most of them do."""
+    if DEFAULT_QUEUE in queues:
+        return DEFAULT_QUEUE
+    return sorted(queues, key=lambda name: (-queues[name], name))[0]
+
+
+class PoolDirectory:
+    """The pools, read at most every POOLS_TTL_S; remembers the models it has seen served, so a model
+    whose workers are all gone for now gets 503 (come back) rather than 404 (never served here)."""
+
+    def __init__(self, connection: Redis, *, ttl_s: float = POOLS_TTL_S) -> None:
+        self.connection = connection
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._read_at = float("-inf")
+        self._pools: dict[str, Pool] = {}
+        self.seen: set[str] = set()
+
+    def pools(self) -> dict[str, Pool]:
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.ttl_s:
+                self._pools = served_pools(self.connection)
+                self._read_at = time.monotonic()
+                self.seen |= set(self._pools)
+            return dict(self._pools)
+
+    def resolve(self, model: str | None) -> Pool:
+        """The pool serving `model` (None: the only model served), or the APIError to answer."""
+        pools = self.pools()
+        if model is not None and model in pools:
+            return pools[model]
+        if not pools or (model is not None and model in self.seen):
+            what = "any model" if model is None else f"model {model!r}"
+            raise APIError(
+                503,
+                f"no live worker serves {what} right now; start one (kvrq worker) or retry later",
+                code="no_worker",
+                retry_after=RETRY_AFTER_S,
+            )
+        served = ", ".join(sorted(pools))
+        if model is None:
+            if len(pools) == 1:
+                return next(iter(pools.values()))
+            raise APIError(400, f"name a model: the live workers serve {served}", code="model_required")
+        raise APIError(
+            404,
+            f"the model {model!r} is not served here; the live workers serve: {served}",
+            code="model_not_found",
+            param="model",
+        )

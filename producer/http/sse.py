@@ -1,0 +1,89 @@
+"""Server-sent events: a job's stream events translated into one API's event stream.
+
+A translator (openai_api.ChatStream, openai_api.CompletionStream, anthropic_api.MessageStream) turns
+kvrq stream events into that API's events; `job_stream` drives it and owns the job's fate: a stream
+that does not reach its end (the client disconnected, the request timed out) cancels its job, which
+frees the job's batch slot at the worker's next step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from starlette.responses import StreamingResponse
+
+from producer.client import JobHandle, ResultTimeoutError
+from producer.http.bridge import Bridge
+from producer.http.errors import APIError, Flavor
+from producer.models import GenerationResult
+from producer.protocol import StreamEvent
+
+logger = logging.getLogger("kvrq.http")
+
+#: OpenAI's last event.
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def data_event(payload: dict[str, Any]) -> bytes:
+    """`data: {...}`: an OpenAI event."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def named_event(payload: dict[str, Any]) -> bytes:
+    """`event: <type>` and `data: {...}`: an Anthropic event, named by its `type`."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+class Translator(Protocol):
+    flavor: Flavor
+
+    def head(self) -> list[bytes]:
+        """Events sent before the job's first event."""
+        ...
+
+    def event(self, event: StreamEvent) -> list[bytes]:
+        """Events for one job event (`end` included; never `start` or `error`)."""
+        ...
+
+    def tail(self, result: GenerationResult | None) -> list[bytes]:
+        """Events after `end`, from the job's result (None when it has none: a canceled job)."""
+        ...
+
+
+async def job_stream(
+    bridge: Bridge, handle: JobHandle, translator: Translator, *, timeout: float
+) -> AsyncIterator[bytes]:
+    ended = False
+    try:
+        for chunk in translator.head():
+            yield chunk
+        async for event in bridge.events(handle, timeout=timeout):
+            if event.kind == "error":
+                ended = True
+                raise await bridge.failure(handle, event.error or "failed")
+            for chunk in translator.event(event):
+                yield chunk
+            if event.kind == "end":
+                ended = True
+                result = None if event.finish_reason == "canceled" else await bridge.result_after_end(handle)
+                for chunk in translator.tail(result):
+                    yield chunk
+                return
+    except ResultTimeoutError:
+        yield APIError(504, f"job {handle.id} did not end within {timeout:g} s", code="timeout").sse(
+            translator.flavor
+        )
+    except APIError as exc:
+        logger.warning("job %s: %s", handle.id, exc.message)
+        yield exc.sse(translator.flavor)
+    finally:
+        if not ended:
+            bridge.cancel_soon(handle)
+
+
+def sse_response(stream: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(stream, media_type="text/event-stream", headers=HEADERS)
