@@ -21,7 +21,7 @@ from producer.http.sse import named_event
 from producer.models import GenerationResult
 from producer.protocol import StreamEvent
 
-#: Body fields of /v1/messages kvrq maps; `service_tier` is accepted and dropped.
+#: Body fields of /v1/messages kvrq maps (temperature, top_p and top_k as the API had them before 2026).
 FIELDS = frozenset(
     {
         "model",
@@ -37,11 +37,24 @@ FIELDS = frozenset(
         "tool_choice",
         "metadata",
         "thinking",
+        "output_config",
+    }
+)
+#: Fields that change nothing here, accepted and dropped: cache hints (kvrq caches each agent whole),
+#: routing and billing options.
+IGNORED_FIELDS = frozenset(
+    {
+        "cache_control",
         "service_tier",
+        "inference_geo",
+        "speed",
+        "diagnostics",
+        "workspace_id",
+        "user_profile_id",
     }
 )
 #: count_tokens takes the same body without the generation settings.
-COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
+COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"})
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "canceled": "end_turn"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -56,7 +69,7 @@ class Parsed:
 def parse(body: dict[str, Any], *, agent: str | None = None, count: bool = False) -> Parsed:
     """A Messages body (`count`: a count_tokens body) as GenerationRequest fields; APIError 400 if bad."""
     allowed = COUNT_FIELDS if count else FIELDS
-    if unknown := sorted(set(body) - allowed):
+    if unknown := sorted(set(body) - allowed - IGNORED_FIELDS):
         raise invalid(f"unknown field(s) {', '.join(unknown)} (kvrq takes: {', '.join(sorted(allowed))})")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -73,6 +86,8 @@ def parse(body: dict[str, Any], *, agent: str | None = None, count: bool = False
         fields["tools"] = _tools(tools)
     if body.get("tool_choice") is not None:
         fields.update(_tool_choice(body["tool_choice"]))
+    if (config := body.get("output_config")) is not None:
+        fields.update(_output_config(config))
     if (thinking := body.get("thinking")) is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": _thinking_enabled(thinking)}
     user = (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None
@@ -207,6 +222,27 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
     if choice.get("disable_parallel_tool_use"):
         out["parallel_tool_calls"] = False
     return out
+
+
+def _output_config(config: Any) -> dict[str, Any]:
+    """`format` (a JSON schema the answer must follow) becomes response_format; `effort` changes nothing."""
+    if not isinstance(config, dict) or set(config) - {"format", "effort"}:
+        raise invalid("'output_config' takes 'format' ({type: json_schema, schema}) and 'effort'")
+    form = config.get("format")
+    if form is None:
+        return {}
+    if (
+        not isinstance(form, dict)
+        or form.get("type") != "json_schema"
+        or not isinstance(form.get("schema"), dict)
+    ):
+        raise invalid("'output_config.format' is {type: json_schema, schema: {...}}")
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": form["schema"]},
+        }
+    }
 
 
 def _thinking_enabled(thinking: Any) -> bool:

@@ -432,3 +432,23 @@ def test_errors_take_each_apis_shape_and_job_failures_their_status() -> None:
     assert from_job_failure(JobFailedError("j", "boom", code=ErrorCode.ENGINE_ERROR)).status == 500
     assert from_job_failure(JobCanceledError("j")).code == "job_canceled"
     assert b"event: error\ndata: " in error.sse("anthropic") and error.sse("openai").startswith(b"data: ")
+
+
+def test_messages_output_format_is_structured_output_and_hints_are_dropped() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    body = {
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "x"}],
+        "output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "low"},
+        "cache_control": {"type": "ephemeral"},
+        "service_tier": "auto",
+    }
+    fields = anthropic_api.parse(body).fields
+    assert fields["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }
+    assert "cache_control" not in fields and "service_tier" not in fields
+    GenerationRequest.model_validate(fields)
+    with pytest.raises(APIError):
+        anthropic_api.parse({**body, "output_config": {"format": {"type": "xml"}}})

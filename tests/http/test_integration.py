@@ -1,0 +1,224 @@
+"""`kvrq serve` driven by the official `openai` and `anthropic` clients, against a real server process,
+redis-server and `kvrq worker` on the builtin model (few tokens each: the module runs in under a minute).
+
+The anthropic client of 2026 has no `temperature` any more (the API samples as it sees fit); kvrq still
+takes it, so greedy runs pass it in `extra_body`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+from redis import Redis
+from rq.job import Job
+
+from tests.conftest import free_port
+from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "smollm2-135m"
+MAX_BODY_MB = 0.05  # 52,428 bytes: the 413 test sends more
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}
+
+
+class ServeProcess:
+    """`python -m worker.cli serve` on a free loopback port, logging to a file."""
+
+    def __init__(self, redis_url: str, workdir: Path) -> None:
+        self.port = free_port()
+        self.log_path = workdir / "serve.log"
+        command = [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "serve",
+            "--redis",
+            redis_url,
+            "--port",
+            str(self.port),
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*command, "--max-body-mb", str(MAX_BODY_MB)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def serves(self, model: str) -> bool:
+        try:
+            return model in httpx.get(f"{self.url}/health", timeout=1).json()["models"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Redis]]:
+    workdir = tmp_path_factory.mktemp("http")
+    redis = RedisProcess(workdir)
+    redis.start()
+    worker = WorkerProcess(redis.url, workdir, name="http-worker")
+    server = ServeProcess(redis.url, workdir)
+    try:
+        worker.start()
+        wait_for(
+            lambda: server.serves(MODEL) or server.proc.poll() is not None, 60, "kvrq serve did not start"
+        )
+        assert server.proc.poll() is None, server.log()
+        yield server, Redis.from_url(redis.url)
+    finally:
+        server.stop()
+        worker.stop()
+        redis.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: tuple[ServeProcess, Redis]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack[0].url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def claude(stack: tuple[ServeProcess, Redis]) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack[0].url, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_the_workers_model(client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+def test_chat_then_a_second_turn_resumes_the_agents_cache(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        prompt_cache_key="http-alice",
+    )
+    choice = first.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert len(choice.logprobs.content[0].top_logprobs) == 2
+    assert first.usage is not None and first.usage.prompt_tokens > 0
+    assert first.usage.completion_tokens == len(choice.logprobs.content) + (choice.finish_reason == "stop")
+    history = [*QUESTION, {"role": "assistant", "content": choice.message.content}]
+    second = client.chat.completions.create(
+        model=MODEL,
+        messages=[*history, {"role": "user", "content": "And of Italy?"}],  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+        prompt_cache_key="http-alice",
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_streamed_chat_ends_with_usage_and_done(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,  # type: ignore[arg-type]
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens <= 5
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0)  # type: ignore[arg-type]
+    assert plain.choices[0].message.content == text  # greedy: streamed or not, the same answer
+
+
+def test_completions_take_a_prompt(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0
+    )
+    assert (
+        completion.choices[0].text
+        and completion.usage is not None
+        and completion.usage.completion_tokens == 3
+    )
+
+
+def test_anthropic_messages_plain_and_streamed(claude: anthropic.Anthropic) -> None:
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=5,
+        extra_body=GREEDY,
+        system="Answer in one word.",
+        messages=QUESTION,  # type: ignore[arg-type]
+        metadata={"user_id": "http-bob"},
+    )
+    assert message.role == "assistant" and message.content[0].type == "text" and message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens <= 5
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=5,
+        extra_body=GREEDY,
+        system="Answer in one word.",
+        messages=QUESTION,  # type: ignore[arg-type]
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == message.content[0].text  # greedy: the same answer
+    assert final.usage.output_tokens == message.usage.output_tokens
+    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 0
+    count = claude.messages.count_tokens(model=MODEL, system="Answer in one word.", messages=QUESTION)  # type: ignore[arg-type]
+    assert count.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+
+
+def test_a_client_that_disconnects_cancels_its_job(
+    client: openai.OpenAI, stack: tuple[ServeProcess, Redis]
+) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+        max_tokens=2000,
+        stream=True,
+    )
+    job_id = next(iter(stream)).id.removeprefix("chatcmpl-")
+    stream.close()
+    job = Job(job_id, connection=stack[1])
+    wait_for(lambda: job.get_status(refresh=True) in ("canceled", "stopped"), 15, "the job was not canceled")
+
+
+def test_errors_are_each_apis_own(
+    client: openai.OpenAI, claude: anthropic.Anthropic, stack: tuple[ServeProcess, Redis]
+) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
+    assert missing.value.code == "model_not_found" and MODEL in missing.value.message
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="claude-x", max_tokens=2, messages=QUESTION)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, top_p=0)  # type: ignore[arg-type]
+    assert "top_p" in bad.value.message
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model=MODEL, max_tokens=0, messages=QUESTION)  # type: ignore[arg-type]
+    huge = [{"role": "user", "content": "x" * int(MAX_BODY_MB * 1024 * 1024)}]
+    with pytest.raises(openai.APIStatusError) as too_large:
+        client.chat.completions.create(model=MODEL, messages=huge, max_tokens=2)  # type: ignore[arg-type]
+    assert too_large.value.status_code == 413
+    assert stack[0].serves(MODEL)  # and the server is still up
