@@ -27,6 +27,10 @@ from engine.core.errors import InvalidRequestError
 from engine.core.params import OutputGrammar
 
 _COMPILED_KEPT = 64
+#: Whitespace between JSON tokens: a space or two, or one line break and its indent. Unbounded
+#: whitespace (llguidance's default) let a small model loop on newlines until max_tokens, cutting
+#: the document; a schema's own "x-guidance" options replace this.
+JSON_WHITESPACE = r"([ \t]{0,2}|\n[ \t]{0,24})"
 
 
 class GrammarCompiler:
@@ -88,6 +92,8 @@ def _grammar_text(grammar: OutputGrammar) -> str:
             schema = json.loads(grammar.source)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"the {grammar.what} is not JSON: {exc}") from None
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
         try:
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema))
         except (ValueError, TypeError) as exc:

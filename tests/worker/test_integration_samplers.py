@@ -1,6 +1,7 @@
-"""Samplers, logit_bias and logprobs through a real worker with the builtin model (few tokens), and the
-values only the worker can judge (a logit_bias id past the vocabulary, tools for a template without tool
-calling) failed as invalid_request when the job is taken, before it waits for a batch slot.
+"""Samplers, logit_bias, logprobs and response_format through a real worker with the builtin model (few
+tokens), and the values only the worker can judge (a logit_bias id past the vocabulary, tools for a template
+without tool calling, a schema the grammar library cannot enforce) failed as invalid_request when the job is
+taken, before it waits for a batch slot.
 
 The exact equality of each sampler and processor with mlx-lm's own is tested on a tiny model
 (tests/engine/test_row_processors.py); here the point is that every field reaches the engine."""
@@ -8,8 +9,10 @@ The exact equality of each sampler and processor with mlx-lm's own is tested on 
 from __future__ import annotations
 
 from collections.abc import Iterator
+import json
 from typing import Any
 
+import jsonschema
 import pytest
 
 from producer.client import JobFailedError, Producer
@@ -116,6 +119,15 @@ def test_logit_bias_steers_the_answer_and_logprobs_stream_as_events(producer: Pr
             },
             "tool_choice 'required' or a named function is not enforced",
         ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "broken", "schema": {"$ref": "#/definitions/missing"}},
+                }
+            },
+            "response_format schema 'broken' cannot be enforced",
+        ),
     ],
 )
 def test_values_only_the_worker_can_judge_fail_as_invalid_request(
@@ -127,3 +139,41 @@ def test_values_only_the_worker_can_judge_fail_as_invalid_request(
     assert failed.value.code == ErrorCode.INVALID_REQUEST
     # Refused when the job was taken (JobRejected, PromptError), not by the engine at admission.
     assert failed.value.reason.startswith(("JobRejected: invalid request: ", "PromptError: "))
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colours": {
+            "type": "array",
+            "items": {"enum": ["red", "orange", "yellow", "green", "blue"]},
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "colours"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_holds_each_row_to_its_own_grammar_in_one_batch(producer: Producer) -> None:
+    """A json_schema row, a json_object row and a plain row submitted together: the first two answer
+    in JSON (the schema's, any object), ended by their grammar; the plain row answers as it does alone."""
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    plain_alone = producer.submit(chat(max_tokens=12)).result(timeout=300)
+    handles = producer.submit_many(
+        [
+            chat(max_tokens=96, response_format=person),
+            chat(max_tokens=96, response_format={"type": "json_object"}),
+            chat(max_tokens=12),
+            chat(max_tokens=96, response_format=person, temperature=1.0, seed=11),
+        ]
+    )
+    schema_row, object_row, plain, sampled_row = (h.result(timeout=300) for h in handles)
+    for row in (schema_row, sampled_row):
+        assert row.finish_reason == "stop", row.text
+        jsonschema.validate(json.loads(row.text), PERSON)
+    assert object_row.finish_reason == "stop", object_row.text
+    assert isinstance(json.loads(object_row.text), dict)
+    assert plain.token_ids == plain_alone.token_ids
