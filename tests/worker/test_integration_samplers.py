@@ -8,8 +8,8 @@ The exact equality of each sampler and processor with mlx-lm's own is tested on 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
