@@ -21,7 +21,6 @@ _TYPES: dict[int, tuple[str, str]] = {
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),
-    501: ("invalid_request_error", "invalid_request_error"),
     503: ("server_error", "overloaded_error"),
     504: ("timeout", "timeout_error"),
 }

@@ -43,9 +43,11 @@ def with_port(command: str, redis_port: int) -> str:
     return command.replace(README_PORT, str(redis_port))
 
 
-def check_stack_and_stop(run: ShellCommand, redis_port: int, dashboard_port: int, says: str = "") -> None:
-    """Redis answers, a worker of this command registers, the dashboard serves it, the command `says`
-    its line; Ctrl-C stops all, with no ERROR logged."""
+def check_stack_and_stop(
+    run: ShellCommand, redis_port: int, dashboard_port: int, http_port: int, says: str = ""
+) -> None:
+    """Redis answers, a worker of this command registers, the dashboard serves it, kvrq serve lists its
+    model, the command `says` its line; Ctrl-C stops all, with no ERROR logged."""
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     try:
         run.wait_for(lambda: accepts(redis_port), 30, "Redis did not start")
@@ -62,6 +64,9 @@ def check_stack_and_stop(run: ShellCommand, redis_port: int, dashboard_port: int
         assert status == 200
         assert [w["name"] for w in json.loads(body)["workers"]] == [worker.name]
         assert http_get(f"{base}/0/data/queues.json")[0] == 200
+        health = f"http://127.0.0.1:{http_port}/health"
+        run.wait_for(lambda: serves(health), 60, "kvrq serve does not serve")
+        run.wait_for(lambda: b"smollm2-135m" in http_get(health)[1], 30, "kvrq serve lists no model")
         run.wait_for(lambda: says in run.log(), 10, f"never said {says!r}")
         started = descendants(run.proc.pid) | {run.proc.pid}
     except BaseException:
@@ -69,35 +74,35 @@ def check_stack_and_stop(run: ShellCommand, redis_port: int, dashboard_port: int
         raise
     run.ctrl_c()
     assert wait_gone(started) == [], run.log()
-    assert not accepts(redis_port) and not accepts(dashboard_port)
+    assert not accepts(redis_port) and not accepts(dashboard_port) and not accepts(http_port)
     # A clean stop logs no ERROR (rq's command listener logged one when Redis stopped beside the worker).
     assert not re.findall(r"^.*\bERROR\b.*$", run.log(), re.M), run.log()
 
 
 def test_readme_kvrq_up_runs_the_stack_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
     command = readme_command(r"\.venv/bin/kvrq up --redis-port 6390")
-    redis_port, dashboard_port = free_port(), free_port()
+    redis_port, dashboard_port, http_port = free_port(), free_port(), free_port()
     clone = like_a_clone(tmp_path)
-    run = ShellCommand(with_port(command, redis_port), clone, {"KVRQ_DASHBOARD_PORT": str(dashboard_port)})
-    check_stack_and_stop(run, redis_port, dashboard_port, says="worker ready")
+    ports = {"KVRQ_DASHBOARD_PORT": str(dashboard_port), "KVRQ_HTTP_PORT": str(http_port)}
+    run = ShellCommand(with_port(command, redis_port), clone, ports)
+    check_stack_and_stop(run, redis_port, dashboard_port, http_port, says="worker ready")
     assert run.proc.returncode == 0, run.log()
     log = run.log()
     assert re.search(r"^redis +\| ", log, re.M) and re.search(r"^worker +\| ", log, re.M), log
-    assert "stopped (redis 0, worker 0, dashboard 0)" in log, log
+    assert "stopped (redis 0, worker 0, dashboard 0, http 0)" in log, log
     assert any((clone / ".kvrq" / "redis").glob("appendonlydir/*.aof")), "Redis ran without AOF"
 
 
 def test_readme_honcho_command_runs_the_procfile(tmp_path: Path) -> None:
     command = readme_command(r"KVRQ_REDIS_PORT=6390 \.venv/bin/honcho start")
     for attempt in (1, 2):
-        redis_port, dashboard_port = free_port(), free_port()
+        redis_port, dashboard_port, http_port = free_port(), free_port(), free_port()
         clone = tmp_path / f"attempt-{attempt}"
         clone.mkdir()
-        run = ShellCommand(
-            with_port(command, redis_port), like_a_clone(clone), {"KVRQ_DASHBOARD_PORT": str(dashboard_port)}
-        )
+        ports = {"KVRQ_DASHBOARD_PORT": str(dashboard_port), "KVRQ_HTTP_PORT": str(http_port)}
+        run = ShellCommand(with_port(command, redis_port), like_a_clone(clone), ports)
         try:
-            check_stack_and_stop(run, redis_port, dashboard_port)
+            check_stack_and_stop(run, redis_port, dashboard_port, http_port)
             break
         except AssertionError as exc:
             # honcho stops every process when one exits. Once in a full CI run (unreproduced alone or

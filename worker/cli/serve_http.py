@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from producer.protocol import DEFAULT_REDIS_URL
@@ -75,6 +76,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         redact_url(args.redis),
         f", {len(keys)} API key(s)" if keys else "",
     )
+    # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again under the handlers it
+    # found: with these, a requested stop exits 0 (as the worker's and the dashboard's do), not -15.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
     uvicorn.run(
         create_app(settings),
         host=args.host,

@@ -1,9 +1,10 @@
 """`kvrq up` and `kvrq dashboard`: the long-running stack from one command.
 
 `kvrq up` runs what the Procfile runs (Redis on loopback with AOF persistence, a worker,
-rq-dashboard) as its own child processes, prefixes their output with their names, and on Ctrl-C
-or SIGTERM stops them in an order that loses nothing: the dashboard, then the worker (which
-drains: its jobs finish or go back to their queue), then Redis (which writes its AOF). Children
+rq-dashboard, the HTTP server `kvrq serve`) as its own child processes, prefixes their output with
+their names, and on Ctrl-C or SIGTERM stops them in an order that loses nothing: the HTTP server
+and the dashboard, then the worker (which drains: its jobs finish or go back to their queue), then
+Redis (which writes its AOF). Children
 run in their own sessions so Ctrl-C reaches only `kvrq up`, and on Linux they get SIGTERM if it
 dies without stopping them.
 """
@@ -31,10 +32,12 @@ from producer.protocol import DEFAULT_REDIS_URL
 from worker import rqexec
 from worker.cli.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from worker.cli.dashboard import LOOPBACK
+from worker.cli.serve_http import DEFAULT_PORT as DEFAULT_HTTP_PORT
 
 DEFAULT_REDIS_PORT = 6379
 REDIS_PORT_ENV = "KVRQ_REDIS_PORT"  # the Procfile's variables, so both start the same stack
 DASHBOARD_PORT_ENV = "KVRQ_DASHBOARD_PORT"
+HTTP_PORT_ENV = "KVRQ_HTTP_PORT"
 REDIS_START_S = 10.0
 STOP_GRACE_S = 10.0  # redis-server and the dashboard; the worker gets its drain timeout on top
 
@@ -43,10 +46,11 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:
     """Register `kvrq up` and `kvrq dashboard` on the CLI's subcommands."""
     up = commands.add_parser(
         "up",
-        help="run Redis, a worker and rq-dashboard until Ctrl-C",
+        help="run Redis, a worker, rq-dashboard and the HTTP server until Ctrl-C",
         description="Run the whole stack on 127.0.0.1: redis-server (AOF persistence in DIR/redis), "
         "a kvrq worker (agent caches in DIR/cache; its settings from KVRQ_* variables, see "
-        "docs/worker.md) and rq-dashboard. Ctrl-C stops them all: the worker drains first.",
+        "docs/worker.md), rq-dashboard and kvrq serve (docs/http.md). Ctrl-C stops them all: "
+        "the worker drains first.",
     )
     up.add_argument(
         "--redis-port",
@@ -61,7 +65,13 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--dir", type=Path, default=Path(".kvrq"), help="where Redis and the store keep data [.kvrq]"
     )
-    up.add_argument("--no-dashboard", action="store_true", help="run Redis and the worker only")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        help=f"kvrq serve's port (OpenAI and Anthropic HTTP) [${HTTP_PORT_ENV} or {DEFAULT_HTTP_PORT}]",
+    )
+    up.add_argument("--no-dashboard", action="store_true", help="run no rq-dashboard")
+    up.add_argument("--no-http", action="store_true", help="run no HTTP server (kvrq serve)")
     up.set_defaults(func=_cmd_up)
 
     dashboard = commands.add_parser(
@@ -107,33 +117,39 @@ def _cmd_up(args: argparse.Namespace) -> int:
         args.redis_port = _env_port(REDIS_PORT_ENV, DEFAULT_REDIS_PORT)
     if args.dashboard_port is None:
         args.dashboard_port = _env_port(DASHBOARD_PORT_ENV, DEFAULT_DASHBOARD_PORT)
+    if args.http_port is None:
+        args.http_port = _env_port(HTTP_PORT_ENV, DEFAULT_HTTP_PORT)
     problem = _cannot_start(args)
     if problem:
         print(f"kvrq up: {problem}", file=sys.stderr)
         return 2
-    return Stack(args.redis_port, None if args.no_dashboard else args.dashboard_port, args.dir).run()
+    dashboard_port = None if args.no_dashboard else args.dashboard_port
+    return Stack(args.redis_port, dashboard_port, args.dir, None if args.no_http else args.http_port).run()
 
 
 def _cannot_start(args: argparse.Namespace) -> str | None:
     """Why the stack cannot start, checked before anything is started."""
     if shutil.which("redis-server") is None:
         return "redis-server not found: apt-get install redis-server (macOS: brew install redis)"
-    if not args.no_dashboard:
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("rq_dashboard") is None:
-            return "rq-dashboard is not installed: pip install -e '.[dashboard]', or run with --no-dashboard"
+    if not args.no_dashboard and importlib.util.find_spec("rq_dashboard") is None:
+        return "rq-dashboard is not installed: pip install -e '.[dashboard]', or run with --no-dashboard"
+    if not args.no_http and not all(importlib.util.find_spec(name) for name in ("fastapi", "uvicorn")):
+        return "kvrq serve needs fastapi and uvicorn: pip install -e '.[serve]', or run with --no-http"
     ports = [("Redis", "--redis-port", REDIS_PORT_ENV, args.redis_port)]
     if not args.no_dashboard:
         ports.append(("the dashboard", "--dashboard-port", DASHBOARD_PORT_ENV, args.dashboard_port))
+    if not args.no_http:
+        ports.append(("the HTTP server", "--http-port", HTTP_PORT_ENV, args.http_port))
     for what, flag, env, port in ports:
         if not port_is_free(port):
             return (
                 f"{LOOPBACK}:{port} is already in use (another Redis or an earlier kvrq up?); "
                 f"pick a free port for {what}: {flag} N or {env}=N"
             )
-    if not args.no_dashboard and args.redis_port == args.dashboard_port:
-        return "Redis and the dashboard need different ports"
+    if len({port for *_, port in ports}) < len(ports):
+        return f"{', '.join(what for what, *_ in ports)} need different ports"
     return None
 
 
@@ -174,10 +190,13 @@ class Child:
 
 
 class Stack:
-    def __init__(self, redis_port: int, dashboard_port: int | None, data_dir: Path) -> None:
+    def __init__(
+        self, redis_port: int, dashboard_port: int | None, data_dir: Path, http_port: int | None = None
+    ) -> None:
         self.redis_url = f"redis://{LOOPBACK}:{redis_port}/0"
         self.redis_port = redis_port
         self.dashboard_port = dashboard_port
+        self.http_port = http_port
         self.data_dir = data_dir
         self.children: dict[str, Child] = {}
         self.signals = 0
@@ -209,11 +228,16 @@ class Stack:
         worker = self._start("worker", self._worker_argv())
         if self.dashboard_port is not None:
             self._start("dashboard", self._dashboard_argv())
+        if self.http_port is not None:
+            self._start("http", self._http_argv())
         self._pump_all()
         dashboard = (
             f", rq-dashboard on http://{LOOPBACK}:{self.dashboard_port}" if self.dashboard_port else ""
         )
-        self.say(f"Redis at {self.redis_url}{dashboard}; the worker is loading its model. Ctrl-C stops all.")
+        http = f", OpenAI and Anthropic HTTP on http://{LOOPBACK}:{self.http_port}" if self.http_port else ""
+        self.say(
+            f"Redis at {self.redis_url}{dashboard}{http}; the worker is loading its model. Ctrl-C stops all."
+        )
         announced = False
         while not self.signals:
             for child in self.children.values():
@@ -246,6 +270,10 @@ class Stack:
     def _dashboard_argv(self) -> list[str]:
         port = str(self.dashboard_port)
         return [sys.executable, "-m", "worker.cli", "dashboard", "--redis", self.redis_url, "--port", port]
+
+    def _http_argv(self) -> list[str]:
+        port = str(self.http_port)
+        return [sys.executable, "-m", "worker.cli", "serve", "--redis", self.redis_url, "--port", port]
 
     def _start(self, name: str, argv: list[str]) -> Child:
         proc = subprocess.Popen(
@@ -287,12 +315,18 @@ class Stack:
             worker.proc.send_signal(signal.SIGTERM)  # a worker's second signal: no more draining
 
     def _stop_all(self) -> None:
-        """Dashboard, then the worker (its drain), then Redis, so the worker can hand jobs back."""
+        """HTTP server and dashboard, then the worker (its drain), then Redis: the worker hands jobs back."""
         if not self.children:
             return
-        self.say("stopping: dashboard, worker (finishing or re-queueing its jobs), Redis")
+        self.say("stopping: HTTP server, dashboard, worker (finishing or re-queueing its jobs), Redis")
         drain = _drain_timeout()
-        for name, timeout in (("dashboard", STOP_GRACE_S), ("worker", drain + 60), ("redis", STOP_GRACE_S)):
+        order = (
+            ("http", STOP_GRACE_S),
+            ("dashboard", STOP_GRACE_S),
+            ("worker", drain + 60),
+            ("redis", STOP_GRACE_S),
+        )
+        for name, timeout in order:
             child = self.children.get(name)
             if child is not None:
                 child.stop(timeout)
