@@ -215,6 +215,8 @@ async def _body(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError as exc:
         raise invalid(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid("the body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
     return body

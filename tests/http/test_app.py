@@ -80,6 +80,8 @@ def test_invalid_bodies_are_400_in_each_apis_shape(served: dict[str, Pool]) -> N
             "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
         )
         assert answer.status_code == 400 and "not valid JSON" in answer.json()["error"]["message"]
+        answer = http.post("/v1/messages", content=b"[" * 100_000 + b"]" * 100_000)
+        assert answer.status_code == 400 and "nested too deeply" in answer.json()["error"]["message"]
         answer = http.post("/v1/chat/completions", json={**CHAT, "temperature": -1})
         assert answer.status_code == 400
         assert answer.json()["error"]["message"].startswith("temperature: Input should be greater than")
