@@ -30,7 +30,7 @@ from producer.http.bridge import DEFAULT_THREADS, Bridge, ClientGone, disconnect
 from producer.http.errors import APIError, flavor_of, from_validation, invalid
 from producer.http.guard import ApiKeys, BodyLimit
 from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
-from producer.http.sse import Translator, job_stream, sse_response
+from producer.http.sse import Translator, open_stream
 from producer.models import GenerationRequest, GenerationResult
 from producer.protocol import DEFAULT_REDIS_URL
 
@@ -130,7 +130,9 @@ class _Front:
         parsed = openai_api.parse(url, await _body(request), agent=request.headers.get(AGENT_HEADER))
         pool, handle = await self.submit(request, parsed.model, parsed.fields)
         if parsed.stream:
-            return self.stream(handle, openai_api.stream_translator(parsed, handle.id, pool.model))
+            return await self.stream(
+                request, handle, openai_api.stream_translator(parsed, handle.id, pool.model)
+            )
         result = await self.wait(request, handle)
         if result is None:
             return Response(status_code=499)
@@ -140,7 +142,7 @@ class _Front:
         parsed = anthropic_api.parse(await _body(request), agent=request.headers.get(AGENT_HEADER))
         pool, handle = await self.submit(request, parsed.model, parsed.fields)
         if parsed.stream:
-            return self.stream(handle, anthropic_api.MessageStream(handle.id, pool.model))
+            return await self.stream(request, handle, anthropic_api.MessageStream(handle.id, pool.model))
         result = await self.wait(request, handle)
         if result is None:
             return Response(status_code=499)
@@ -203,10 +205,18 @@ class _Front:
             logger.info("job %s: the client went away; job canceled", handle.id)
             return None
 
-    def stream(self, handle: JobHandle, translator: Translator) -> Response:
-        return sse_response(
-            job_stream(self.bridge, handle, translator, timeout=self.settings.request_timeout_s)
-        )
+    async def stream(self, request: Request, handle: JobHandle, translator: Translator) -> Response:
+        try:
+            return await open_stream(
+                self.bridge,
+                handle,
+                translator,
+                timeout=self.settings.request_timeout_s,
+                gone=disconnected(request.receive),
+            )
+        except ClientGone:
+            logger.info("job %s: the client went away; job canceled", handle.id)
+            return Response(status_code=499)
 
 
 async def _body(request: Request) -> dict[str, Any]:

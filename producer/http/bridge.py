@@ -62,35 +62,59 @@ class Bridge:
         self.executor.submit(_cancel, handle)
 
     async def result(self, handle: JobHandle, *, timeout: float, gone: Awaitable[object]) -> GenerationResult:
-        """The job's result; APIError when it fails or times out (then it is canceled), ClientGone when
+        """The job's result; APIError when it fails, or times out (it is canceled); ClientGone when
         `gone` completes first (the client disconnected: the job is canceled)."""
         stop = threading.Event()
-        waiting = asyncio.ensure_future(
-            self.run(partial(handle.result, timeout, on_wait=partial(_check, stop)))
-        )
-        watching = asyncio.ensure_future(gone)
-        ended = False  # the job ended by itself: nothing to cancel
         try:
-            done, _ = await asyncio.wait({waiting, watching}, return_when=asyncio.FIRST_COMPLETED)
-            if waiting not in done:
-                raise ClientGone(handle.id)
-            try:
-                result = waiting.result()
-            except JobFailedError as exc:
-                ended = True
-                raise from_job_failure(exc) from None
-            except ResultTimeoutError:
-                raise APIError(
-                    504, f"job {handle.id} did not end within {timeout:g} s", code="timeout"
-                ) from None
-            ended = True
-            return result
+            return await self.race(
+                handle, self.run(partial(handle.result, timeout, on_wait=partial(_check, stop))), gone
+            )
+        except JobFailedError as exc:
+            raise from_job_failure(exc) from None
+        except ResultTimeoutError:
+            raise self.timed_out(handle, timeout) from None
         finally:
             stop.set()
+
+    async def first(
+        self,
+        handle: JobHandle,
+        events: AsyncIterator[StreamEvent],
+        *,
+        timeout: float,
+        gone: Awaitable[object],
+    ) -> StreamEvent:
+        """The first event of `events` (Bridge.events: the first token, or the end, or the error), with
+        the same outcomes as `result`."""
+        try:
+            return await self.race(handle, anext(events), gone)
+        except ResultTimeoutError:
+            raise self.timed_out(handle, timeout) from None
+
+    async def race(self, handle: JobHandle, work: Awaitable[T], gone: Awaitable[object]) -> T:
+        """`work`'s outcome, unless `gone` completes first: then the job is canceled and ClientGone raised.
+        A request cancelled while it waits (the server stopping) cancels its job too."""
+        task = asyncio.ensure_future(work)
+        task.add_done_callback(_consume)
+        watching = asyncio.ensure_future(gone)
+        try:
+            done, _ = await asyncio.wait({task, watching}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            self.cancel_soon(handle)
+            raise
+        finally:
             watching.cancel()
-            waiting.add_done_callback(_consume)
-            if not ended:
-                self.cancel_soon(handle)
+        if task not in done:
+            task.cancel()
+            self.cancel_soon(handle)
+            raise ClientGone(handle.id)
+        return task.result()
+
+    def timed_out(self, handle: JobHandle, timeout: float) -> APIError:
+        """504 for a job that did not end in time; the job is canceled."""
+        self.cancel_soon(handle)
+        return APIError(504, f"job {handle.id} did not end within {timeout:g} s", code="timeout")
 
     async def result_after_end(self, handle: JobHandle) -> GenerationResult | None:
         """The result of a job whose stream ended with `end`; None if it has none (canceled, expired)."""

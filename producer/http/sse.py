@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
 from starlette.responses import StreamingResponse
@@ -54,14 +54,42 @@ class Translator(Protocol):
         ...
 
 
+async def open_stream(
+    bridge: Bridge, handle: JobHandle, translator: Translator, *, timeout: float, gone: Awaitable[object]
+) -> StreamingResponse:
+    """The job's event stream, opened once its first token (or its end) is there: a job that fails
+    before it generates anything (invalid, too long for the context) is answered with its error's
+    status instead, as a plain request's would be. Raises APIError, or ClientGone (job canceled)."""
+    events = bridge.events(handle, timeout=timeout)
+    first = await bridge.first(handle, events, timeout=timeout, gone=gone)
+    if first.kind == "error":
+        raise await bridge.failure(handle, first.error or "failed")
+    return StreamingResponse(
+        job_stream(bridge, handle, translator, _chain(first, events), timeout=timeout),
+        media_type="text/event-stream",
+        headers=HEADERS,
+    )
+
+
+async def _chain(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
+    yield first
+    async for event in rest:
+        yield event
+
+
 async def job_stream(
-    bridge: Bridge, handle: JobHandle, translator: Translator, *, timeout: float
+    bridge: Bridge,
+    handle: JobHandle,
+    translator: Translator,
+    events: AsyncIterator[StreamEvent],
+    *,
+    timeout: float,
 ) -> AsyncIterator[bytes]:
     ended = False
     try:
         for chunk in translator.head():
             yield chunk
-        async for event in bridge.events(handle, timeout=timeout):
+        async for event in events:
             if event.kind == "error":
                 ended = True
                 raise await bridge.failure(handle, event.error or "failed")
@@ -74,16 +102,11 @@ async def job_stream(
                     yield chunk
                 return
     except ResultTimeoutError:
-        yield APIError(504, f"job {handle.id} did not end within {timeout:g} s", code="timeout").sse(
-            translator.flavor
-        )
+        yield bridge.timed_out(handle, timeout).sse(translator.flavor)
+        ended = True  # timed_out canceled it
     except APIError as exc:
         logger.warning("job %s: %s", handle.id, exc.message)
         yield exc.sse(translator.flavor)
     finally:
         if not ended:
             bridge.cancel_soon(handle)
-
-
-def sse_response(stream: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(stream, media_type="text/event-stream", headers=HEADERS)

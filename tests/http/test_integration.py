@@ -217,6 +217,15 @@ def test_errors_are_each_apis_own(
     assert "top_p" in bad.value.message
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=0, messages=QUESTION)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError) as failed:  # the worker refuses it: before any output
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,  # type: ignore[arg-type]
+            max_tokens=2,
+            logit_bias={"999999": 1},  # past the vocabulary
+            stream=True,
+        )
+    assert failed.value.code == "invalid_request" and "999999" in failed.value.message
     huge = [{"role": "user", "content": "x" * int(MAX_BODY_MB * 1024 * 1024)}]
     with pytest.raises(openai.APIStatusError) as too_large:
         client.chat.completions.create(model=MODEL, messages=huge, max_tokens=2)  # type: ignore[arg-type]
