@@ -171,7 +171,7 @@ class Bridge:
 class Replay:
     """Leaves out what a re-run repeats: a job started again after a worker crash or drain streams again
     from its start (`start` event); the text, calls and logprobs already passed on are skipped (exact for
-    greedy or seeded requests, as `JobHandle.stream()`)."""
+    greedy or seeded requests, as `JobHandle.stream()`). A stream with tool calls ends "tool_calls"."""
 
     def __init__(self) -> None:
         self.sent: Counter[str] = Counter()
@@ -194,6 +194,10 @@ class Replay:
             if self.attempt[kind] <= self.sent[kind]:
                 return None
             self.sent[kind] += 1
+        if kind == "end" and event.finish_reason == "stop" and self.sent["tool_call"]:
+            # The end marker carries the engine's reason; the result says "tool_calls" for a row that
+            # ended on its calls (worker/results.py): the stream says what the result says.
+            return replace(event, finish_reason="tool_calls")
         return event
 
 

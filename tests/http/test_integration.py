@@ -231,3 +231,24 @@ def test_errors_are_each_apis_own(
         client.chat.completions.create(model=MODEL, messages=huge, max_tokens=2)  # type: ignore[arg-type]
     assert too_large.value.status_code == 413
     assert stack[0].serves(MODEL)  # and the server is still up
+
+
+def test_seeded_sampling_repeats_itself(client: openai.OpenAI) -> None:
+    """Samplers reach the worker: the same seed samples the same answer (top_k and min_p in extra_body,
+    as OpenAI's client has no argument for them)."""
+    answers = {
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,  # type: ignore[arg-type]
+            max_tokens=6,
+            temperature=1.2,
+            top_p=0.95,
+            seed=11,
+            presence_penalty=0.5,
+            extra_body={"top_k": 40, "min_p": 0.02},
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    }
+    assert len(answers) == 1 and answers != {""}

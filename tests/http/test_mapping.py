@@ -403,6 +403,15 @@ def test_a_rerun_repeats_nothing_already_sent() -> None:
     passed = [replay.fresh(event) for event in first + again]
     kept = [(e.kind, e.text) for e in passed if e is not None]
     assert kept == [("delta", "Hel"), ("tool_call", ""), ("delta", "lo"), ("tool_call", ""), ("end", "")]
+    assert passed[-1] is not None and passed[-1].finish_reason is None
+    ended = Replay()
+    ended.fresh(StreamEvent("tool_call", data=CALL))
+    assert ended.fresh(StreamEvent("end", finish_reason="stop")) == StreamEvent(
+        "end", finish_reason="tool_calls"
+    )
+    assert Replay().fresh(StreamEvent("end", finish_reason="stop")) == StreamEvent(
+        "end", finish_reason="stop"
+    )
 
 
 def test_errors_take_each_apis_shape_and_job_failures_their_status() -> None:
