@@ -1,0 +1,190 @@
+"""Structured output's cost, same run: the grammar mask against the decode step it rides in.
+
+`--only step`: the builtin model, 16 rows decoding (each ~300 tokens of prompt), the median step with
+no grammar vs every row under a JSON schema (its logits masked by engine/batch/grammar.py), alternated
+so both sides see the same machine; plus the mask's own time a step (the 16 rows' processor calls).
+Target (issue 25): the mask costs under 10% of a 16-row decode step.
+
+`--only corpus`: real-world schemas from ../shared/data/jsonschemabench (read in place, never copied):
+how many compile (llguidance) or are refused with a reason, compile time, and the per-token mask time
+(p50, p99) while each schema's valid instances are fed token by token; valid instances that the grammar
+refuses are counted (mask correctness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.cpu.blas import ensure_fast_blas  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared/data/jsonschemabench/maskbench-dev.jsonl.gz"
+ROWS = 16
+SCHEMA = {
+    "type": "object",
+    "properties": {"summary": {"type": "string"}, "score": {"type": "integer"}},
+    "required": ["summary", "score"],
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def bench_step(rounds: int, steps: int) -> dict[str, Any]:
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.core.params import OutputGrammar, SamplingParams
+    from engine.models.load import load_model
+
+    model, tokenizer = load_model()
+    engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2", pool_mb=1536, max_batch=ROWS)
+    messages = [{"role": "user", "content": "Summarise the plot of a long novel in JSON. " * 20}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    grammar = OutputGrammar("json_schema", json.dumps(SCHEMA), "bench")
+    mask_s: list[float] = []
+
+    def timed_processor(processor: Any) -> Any:
+        def call(tokens: Any, logits: Any) -> Any:
+            started = time.perf_counter()
+            out = processor(tokens, logits)
+            mask_s.append(time.perf_counter() - started)
+            return out
+
+        call.ends_row = processor.ends_row  # type: ignore[attr-defined]
+        return call
+
+    def median_step(with_grammar: bool) -> tuple[float, float]:
+        mask_s.clear()
+        for row in range(ROWS):
+            params = SamplingParams(max_tokens=steps + 2 * ROWS, temperature=0.7, seed=row)
+            if with_grammar:
+                params = SamplingParams(
+                    max_tokens=steps + 2 * ROWS,
+                    temperature=0.7,
+                    seed=row,
+                    logits_processors=(timed_processor(engine.grammars.processor(grammar)),),
+                )
+            engine.submit(None, prompt, params, keep_cache=False)
+        times: list[float] = []
+        decoding = False  # the step before gave every row a token: this one is a pure decode step
+        while engine.has_work():
+            started = time.perf_counter()
+            output = engine.step()
+            elapsed = time.perf_counter() - started
+            if decoding and len(output.deltas) == ROWS and len(times) < steps:
+                times.append(elapsed)
+            decoding = len(output.deltas) == ROWS
+        mask_per_step = sum(mask_s[-ROWS * len(times) :]) / max(1, len(times)) if with_grammar else 0.0
+        return statistics.median(times), mask_per_step
+
+    plain, masked, mask = [], [], []
+    for _ in range(rounds):
+        plain.append(median_step(False)[0])
+        step, per_step = median_step(True)
+        masked.append(step)
+        mask.append(per_step)
+    engine.close()
+    out = {
+        "rows": ROWS,
+        "prompt_tokens": len(prompt),
+        "plain_step_ms": statistics.median(plain) * 1e3,
+        "grammar_step_ms": statistics.median(masked) * 1e3,
+        "mask_ms_per_step": statistics.median(mask) * 1e3,
+    }
+    out["step_ratio"] = out["grammar_step_ms"] / out["plain_step_ms"]
+    out["mask_share_of_plain_step"] = out["mask_ms_per_step"] / out["plain_step_ms"]
+    return out
+
+
+def bench_corpus(limit: int) -> dict[str, Any]:
+    import llguidance
+    import llguidance.numpy as llnumpy
+
+    from engine.batch.grammar import JSON_WHITESPACE
+    from engine.models.load import load_model
+
+    _, tokenizer = load_model()
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer)
+    bitmask = llnumpy.allocate_token_bitmask(1, lltokenizer.vocab_size)
+    compiled = refused = rejected_valid = instances = 0
+    compile_s: list[float] = []
+    mask_s: list[float] = []
+    with gzip.open(CORPUS, "rt") as lines:
+        for number, line in enumerate(lines):
+            if number >= limit:
+                break
+            entry = json.loads(line)
+            schema = entry["schema"]
+            if isinstance(schema, dict) and "x-guidance" not in schema:
+                schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+            started = time.perf_counter()
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            problem = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
+            compile_s.append(time.perf_counter() - started)
+            if problem:
+                refused += 1
+                continue
+            compiled += 1
+            for test in entry.get("tests", []):
+                if not test.get("valid"):
+                    continue
+                instances += 1
+                matcher = llguidance.LLMatcher(lltokenizer, grammar)
+                for token in tokenizer.encode(json.dumps(test["data"]), add_special_tokens=False):
+                    started = time.perf_counter()
+                    llnumpy.fill_next_token_bitmask(matcher, bitmask, 0)
+                    mask_s.append(time.perf_counter() - started)
+                    if not matcher.consume_token(token):
+                        rejected_valid += 1
+                        break
+    return {
+        "schemas": compiled + refused,
+        "compiled": compiled,
+        "refused_with_reason": refused,
+        "compile_ms_p50": percentile(compile_s, 0.5) * 1e3,
+        "compile_ms_p99": percentile(compile_s, 0.99) * 1e3,
+        "valid_instances": instances,
+        "valid_instances_refused": rejected_valid,
+        "mask_us_p50": percentile(mask_s, 0.5) * 1e6,
+        "mask_us_p99": percentile(mask_s, 0.99) * 1e6,
+        "mask_us_mean": statistics.fmean(mask_s) * 1e6 if mask_s else float("nan"),
+        "tokens": len(mask_s),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", choices=["step", "corpus"], action="append")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of plain and grammar batches")
+    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch")
+    parser.add_argument("--schemas", type=int, default=500, help="corpus schemas read (of ~9,000)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results/grammar.json")
+    args = parser.parse_args()
+    only = args.only or ["step", "corpus"]
+    ensure_fast_blas()
+    results: dict[str, Any] = {}
+    if "step" in only:
+        results["step"] = bench_step(args.rounds, args.steps)
+        print(json.dumps(results["step"], indent=1))
+    if "corpus" in only:
+        if CORPUS.exists():
+            results["corpus"] = bench_corpus(args.schemas)
+            print(json.dumps(results["corpus"], indent=1))
+        else:
+            print(f"corpus not found at {CORPUS}: skipped")
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
