@@ -53,7 +53,9 @@ class ServeSettings:
 
 
 def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> FastAPI:
-    connection = connection if connection is not None else Redis.from_url(settings.redis_url)
+    if connection is None:
+        # A connection per waiting thread (each holds one through its blocking reads), a few to spare.
+        connection = Redis.from_url(settings.redis_url, max_connections=settings.threads + 16)
     bridge = Bridge(Producer(connection=connection), threads=settings.threads)
     directory = PoolDirectory(connection)
 

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
+from redis.exceptions import RedisError
 from starlette.responses import StreamingResponse
 
 from producer.client import JobHandle, ResultTimeoutError
@@ -107,6 +108,9 @@ async def job_stream(
     except APIError as exc:
         logger.warning("job %s: %s", handle.id, exc.message)
         yield exc.sse(translator.flavor)
+    except RedisError as exc:
+        logger.warning("job %s: Redis: %s", handle.id, exc)
+        yield APIError(503, f"Redis is unreachable: {exc}").sse(translator.flavor)
     finally:
         if not ended:
             bridge.cancel_soon(handle)

@@ -1,0 +1,155 @@
+"""`kvrq serve` under load, bounded and on loopback: 200 concurrent streaming clients (the official
+`openai` client) send 1,000 requests to a real server process and Redis. A stand-in worker answers
+each job with a text made of its own request, so a lost, hung, crossed or duplicated answer shows;
+the server's memory must stay flat. The model is not the point here (tests/http/test_integration.py
+runs the real one): the stand-in makes the run take seconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from redis import Redis
+from rq import Queue, Worker
+from rq.job import Job, JobStatus
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from producer.protocol import MODEL_FIELD, StreamEvent, stream_key
+from tests.http.test_integration import ServeProcess
+from tests.worker.procs import RedisProcess, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+MODEL = "stand-in"
+CLIENTS = 200
+REQUESTS = 1000
+WARMUP = 200
+ROUND = 200
+
+
+class StandInWorker:
+    """Takes kvrq jobs from the queue and finishes them as a kvrq worker would, in Redis: a stream
+    (start, three deltas that spell the request's last message, end) and an rq result."""
+
+    def __init__(self, url: str) -> None:
+        self.connection = Redis.from_url(url)
+        self.queue = Queue("kvrq", connection=self.connection, serializer=JSONSerializer)
+        self.rq_worker = Worker(
+            [self.queue], connection=self.connection, name="stand-in", serializer=JSONSerializer
+        )
+        self.stop = threading.Event()
+        self.jobs = 0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def start(self) -> None:
+        self.rq_worker.register_birth()
+        self.connection.hset(self.rq_worker.key, MODEL_FIELD, MODEL)  # what a kvrq worker announces
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            popped = self.connection.blpop([self.queue.key], timeout=1)
+            if popped is not None:
+                self.answer(popped[1].decode())
+
+    def answer(self, job_id: str) -> None:
+        job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+        text = job.args[0]["messages"][-1]["content"]
+        thirds = [
+            text[: len(text) // 3],
+            text[len(text) // 3 : 2 * len(text) // 3],
+            text[2 * len(text) // 3 :],
+        ]
+        events = [StreamEvent("start", attempt="1")] + [StreamEvent("delta", text=t, token=1) for t in thirds]
+        result = {
+            "job_id": job_id,
+            "agent_id": job.args[0].get("agent_id"),
+            "text": text,
+            "token_ids": [1, 1, 1],
+            "finish_reason": "stop",
+            "usage": {"prompt_tokens": 9, "reused_tokens": 0, "prefilled_tokens": 9, "generated_tokens": 3},
+            "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.0, "total_s": 0.0},
+        }
+        with self.connection.pipeline() as pipe:
+            for event in [*events, StreamEvent("end", finish_reason="stop")]:
+                pipe.xadd(stream_key(job_id), event.to_fields())  # type: ignore[arg-type]
+            Result.create(job, Result.Type.SUCCESSFUL, ttl=600, return_value=result, pipeline=pipe)
+            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+            pipe.execute()
+        self.jobs += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.rq_worker.register_death()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, StandInWorker]]:
+    workdir: Path = tmp_path_factory.mktemp("http-load")
+    redis = RedisProcess(workdir)
+    redis.start()
+    worker = StandInWorker(redis.url)
+    worker.start()
+    server = ServeProcess(redis.url, workdir)
+    try:
+        wait_for(
+            lambda: server.serves(MODEL) or server.proc.poll() is not None, 60, "kvrq serve did not start"
+        )
+        assert server.proc.poll() is None, server.log()
+        yield server, worker
+    finally:
+        server.stop()
+        worker.close()
+        redis.stop()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_200_streaming_clients_1000_requests(stack: tuple[ServeProcess, StandInWorker]) -> None:
+    server, worker = stack
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def ask(index: int) -> tuple[int, str, int]:
+        words = f"request {index} from client {index % CLIENTS}"
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": words}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            prompt_cache_key=f"load-{index % CLIENTS}",  # one agent per client: its requests run in order
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        return index, text, usage.completion_tokens if usage else -1
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        answers = list(pool.map(ask, range(WARMUP)))  # threads, connections and pools grow to their size
+        rss = [rss_mb(server.proc.pid)]
+        started = time.monotonic()
+        for begin in range(WARMUP, REQUESTS, ROUND):
+            answers += pool.map(ask, range(begin, begin + ROUND))
+            rss.append(rss_mb(server.proc.pid))
+        took = time.monotonic() - started
+    assert [index for index, _, _ in answers] == list(range(REQUESTS))
+    wrong = [(i, text) for i, text, _ in answers if text != f"request {i} from client {i % CLIENTS}"]
+    assert wrong == [], wrong[:5]  # none lost, crossed or cut
+    assert {tokens for _, _, tokens in answers} == {3}
+    assert worker.jobs == REQUESTS  # none enqueued twice
+    shown = " -> ".join(f"{mb:.0f}" for mb in rss)
+    print(f"{REQUESTS - WARMUP} requests, {CLIENTS} clients: {took:.1f} s; server RSS by round {shown} MB")
+    assert rss[-1] - rss[1] < 10, f"the server's memory grows round after round: {shown} MB"
+    assert server.serves(MODEL)
