@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -131,24 +131,16 @@ class _Front:
     async def openai(self, request: Request, url: str) -> Response:
         parsed = openai_api.parse(url, await _body(request), agent=request.headers.get(AGENT_HEADER))
         pool, handle = await self.submit(request, parsed.model, parsed.fields)
-        if parsed.stream:
-            return await self.stream(
-                request, handle, openai_api.stream_translator(parsed, handle.id, pool.model)
-            )
-        result = await self.wait(request, handle)
-        if result is None:
-            return Response(status_code=499)
-        return JSONResponse(openai_api.response(parsed, pool.model, result))
+        translator = openai_api.stream_translator(parsed, handle.id, pool.model) if parsed.stream else None
+        return await self.answer(
+            request, handle, translator, lambda r: openai_api.response(parsed, pool.model, r)
+        )
 
     async def anthropic(self, request: Request) -> Response:
         parsed = anthropic_api.parse(await _body(request), agent=request.headers.get(AGENT_HEADER))
         pool, handle = await self.submit(request, parsed.model, parsed.fields)
-        if parsed.stream:
-            return await self.stream(request, handle, anthropic_api.MessageStream(handle.id, pool.model))
-        result = await self.wait(request, handle)
-        if result is None:
-            return Response(status_code=499)
-        return JSONResponse(anthropic_api.response(pool.model, result))
+        translator = anthropic_api.MessageStream(handle.id, pool.model) if parsed.stream else None
+        return await self.answer(request, handle, translator, lambda r: anthropic_api.response(pool.model, r))
 
     async def count_tokens(self, request: Request) -> Response:
         """The tokenizer and chat template live in the worker: the count is a one-off job of one token
@@ -162,10 +154,35 @@ class _Front:
         }
         fields.pop("agent_id", None)
         _, handle = await self.submit(request, parsed.model, fields)
-        result = await self.wait(request, handle)
-        if result is None:
+        return await self.answer(request, handle, None, lambda r: {"input_tokens": r.usage.prompt_tokens})
+
+    async def answer(
+        self,
+        request: Request,
+        handle: JobHandle,
+        translator: Translator | None,
+        body: Callable[[GenerationResult], dict[str, Any]],
+    ) -> Response:
+        """The job's stream through `translator`, or (None) its result as `body` makes it; the job id
+        as the request id (OpenAI's x-request-id, Anthropic's request-id). 499 when the client left."""
+        headers = {"x-request-id": handle.id, "request-id": handle.id}
+        try:
+            if translator is not None:
+                return await open_stream(
+                    self.bridge,
+                    handle,
+                    translator,
+                    timeout=self.settings.request_timeout_s,
+                    gone=disconnected(request.receive),
+                    headers=headers,
+                )
+            result = await self.bridge.result(
+                handle, timeout=self.settings.request_timeout_s, gone=disconnected(request.receive)
+            )
+        except ClientGone:
+            logger.info("job %s: the client went away; job canceled", handle.id)
             return Response(status_code=499)
-        return JSONResponse({"input_tokens": result.usage.prompt_tokens})
+        return JSONResponse(body(result), headers=headers)
 
     async def submit(
         self, request: Request, model: str | None, fields: dict[str, Any]
@@ -196,29 +213,6 @@ class _Front:
             generation.agent_id or "-",
         )
         return pool, handle
-
-    async def wait(self, request: Request, handle: JobHandle) -> GenerationResult | None:
-        """The job's result; None when the client went away (its job is canceled)."""
-        try:
-            return await self.bridge.result(
-                handle, timeout=self.settings.request_timeout_s, gone=disconnected(request.receive)
-            )
-        except ClientGone:
-            logger.info("job %s: the client went away; job canceled", handle.id)
-            return None
-
-    async def stream(self, request: Request, handle: JobHandle, translator: Translator) -> Response:
-        try:
-            return await open_stream(
-                self.bridge,
-                handle,
-                translator,
-                timeout=self.settings.request_timeout_s,
-                gone=disconnected(request.receive),
-            )
-        except ClientGone:
-            logger.info("job %s: the client went away; job canceled", handle.id)
-            return Response(status_code=499)
 
 
 async def _body(request: Request) -> dict[str, Any]:

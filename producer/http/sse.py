@@ -56,7 +56,13 @@ class Translator(Protocol):
 
 
 async def open_stream(
-    bridge: Bridge, handle: JobHandle, translator: Translator, *, timeout: float, gone: Awaitable[object]
+    bridge: Bridge,
+    handle: JobHandle,
+    translator: Translator,
+    *,
+    timeout: float,
+    gone: Awaitable[object],
+    headers: dict[str, str] | None = None,
 ) -> StreamingResponse:
     """The job's event stream, opened once its first token (or its end) is there: a job that fails
     before it generates anything (invalid, too long for the context) is answered with its error's
@@ -68,7 +74,7 @@ async def open_stream(
     return StreamingResponse(
         job_stream(bridge, handle, translator, _chain(first, events), timeout=timeout),
         media_type="text/event-stream",
-        headers=HEADERS,
+        headers={**HEADERS, **(headers or {})},
     )
 
 

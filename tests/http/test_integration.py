@@ -113,6 +113,7 @@ def test_chat_then_a_second_turn_resumes_the_agents_cache(client: openai.OpenAI)
         prompt_cache_key="http-alice",
     )
     choice = first.choices[0]
+    assert first._request_id == first.id.removeprefix("chatcmpl-")  # the job id
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason in ("stop", "length")
     assert choice.logprobs is not None and choice.logprobs.content is not None
@@ -172,6 +173,7 @@ def test_anthropic_messages_plain_and_streamed(claude: anthropic.Anthropic) -> N
         metadata={"user_id": "http-bob"},
     )
     assert message.role == "assistant" and message.content[0].type == "text" and message.content[0].text
+    assert message._request_id == message.id.removeprefix("msg_")
     assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens <= 5
     with claude.messages.stream(
         model=MODEL,
