@@ -109,7 +109,7 @@ def bench_corpus(limit: int) -> dict[str, Any]:
     import llguidance
     import llguidance.numpy as llnumpy
 
-    from engine.batch.grammar import JSON_WHITESPACE
+    from engine.core.params import JSON_WHITESPACE
     from engine.models.load import load_model
 
     _, tokenizer = load_model()

@@ -12,6 +12,7 @@ Payload forms a worker accepts (rq JSON serializer):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -96,21 +97,22 @@ def output_grammar(request: GenerationRequest) -> OutputGrammar | None:
     return None
 
 
-def checked_sampling(request: GenerationRequest, check: Callable[[SamplingParams], None]) -> SamplingParams:
-    """sampling_of(request), checked against the model by `check` (the engine's: a logit_bias id past
-    its vocabulary, a schema its grammar library cannot enforce), or JobRejected: refused when the
-    job is taken, before it waits for a batch slot."""
-    if request.tool_choice == "required" or not isinstance(request.tool_choice, str | None):
-        raise JobRejected(
-            "invalid request: tool_choice 'required' or a named function is not enforced by this worker "
-            "(tool calls are not grammar-constrained yet): send tool_choice 'auto' or leave it out"
-        )
-    if output_grammar(request) is not None and request.tools and request.tool_choice != "none":
+def checked_sampling(
+    request: GenerationRequest,
+    check: Callable[[SamplingParams], None],
+    tool_grammar: OutputGrammar | None = None,
+) -> SamplingParams:
+    """sampling_of(request) (with `tool_grammar`, the forced tool calls, as its grammar), checked against
+    the model by `check` (the engine's: a logit_bias id past its vocabulary, a grammar its library cannot
+    enforce), or JobRejected: refused when the job is taken, before it waits for a batch slot."""
+    if output_grammar(request) is not None and request.tools and request.tool_choice in (None, "auto"):
         raise JobRejected(
             "invalid request: response_format json_object / json_schema holds the whole answer to JSON, "
             "so the tools offered could never be called: send tool_choice 'none' or leave response_format out"
         )
     sampling = sampling_of(request)
+    if tool_grammar is not None:
+        sampling = dataclasses.replace(sampling, grammar=tool_grammar)
     try:
         check(sampling)
     except InvalidRequestError as exc:

@@ -85,6 +85,7 @@ from worker.results import build_result, cache_label, job_observations
 from worker.scheduled import ScheduledJobs
 from worker.scheduler import Scheduler
 from worker.settings import WorkerSettings
+from worker.tool_grammar import forced_tool_calls
 
 if TYPE_CHECKING:
     from engine.core.blocks import AgentCache
@@ -305,9 +306,11 @@ class WorkerLoop:
             return
         try:
             request = request_from_job(job)
-            sampling = checked_sampling(request, self.engine.check)
-            tokens = prompt_tokens(self.engine.tokenizer, request)
-            output = splitter_for(self.engine.tokenizer, request, tokens)
+            tokenizer = self.engine.tokenizer
+            tokens = prompt_tokens(tokenizer, request)
+            output = splitter_for(tokenizer, request, tokens)
+            forced = forced_tool_calls(tokenizer, request, output)
+            sampling = checked_sampling(request, self.engine.check, forced)
             refuse_grammar_in_reasoning(sampling, output)
         except (JobRejected, PromptError) as exc:
             self._reject(job, queue, f"{type(exc).__name__}: {exc}")

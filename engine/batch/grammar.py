@@ -24,13 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 from engine.core.errors import InvalidRequestError
-from engine.core.params import OutputGrammar
+from engine.core.params import JSON_WHITESPACE, OutputGrammar
 
 _COMPILED_KEPT = 64
-#: Whitespace between JSON tokens: a space or two, or one line break and its indent. Unbounded
-#: whitespace (llguidance's default) let a small model loop on newlines until max_tokens, cutting
-#: the document; a schema's own "x-guidance" options replace this.
-JSON_WHITESPACE = r"([ \t]{0,2}|\n[ \t]{0,24})"
 
 
 class GrammarCompiler:

@@ -19,6 +19,12 @@ LogitsProcessor = Callable[[Any, Any], Any]
 MAX_TOP_LOGPROBS = 20
 
 
+#: Whitespace between JSON tokens in a grammar: a space or two, or one line break and its indent.
+#: Unbounded whitespace (llguidance's default) let a small model loop on newlines until max_tokens,
+#: cutting the document; a schema's own "x-guidance" options replace this.
+JSON_WHITESPACE = r"([ \t]{0,2}|\n[ \t]{0,24})"
+
+
 @dataclass(frozen=True)
 class OutputGrammar:
     """What a row's output must match, enforced token by token (engine/batch/grammar.py).

@@ -117,7 +117,7 @@ def test_logit_bias_steers_the_answer_and_logprobs_stream_as_events(producer: Pr
                 "tools": [{"type": "function", "function": {"name": "get_weather"}}],
                 "tool_choice": "required",
             },
-            "tool_choice 'required' or a named function is not enforced",
+            "this model's chat template declares no tool calling",
         ),
         (
             {

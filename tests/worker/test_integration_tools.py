@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import mlx.core as mx
 import pytest
 
@@ -49,6 +50,18 @@ WEATHER = {
         "name": "get_weather",
         "description": "Current weather of a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
     },
 }
 QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
@@ -182,3 +195,39 @@ def test_a_tool_calls_end_ends_only_its_row(producer: Producer) -> None:
     untouched = plain.result(timeout=300)  # no tools offered: the markup is plain text, nothing parsed
     assert untouched.tool_calls is None and len(untouched.token_ids) == 8
     assert untouched.text.startswith(f"<tool_call>{CALL}</tool_call>")
+
+
+def test_tool_choice_required_makes_a_model_that_would_answer_call(
+    producer: Producer, model_folder: Path
+) -> None:
+    """A logit_bias makes the rigged model answer "Sun" (as in the second turn above); with tool_choice
+    "required" the grammar leaves it only a call, in its template's format, ended by the grammar."""
+    _, tokenizer = load_model(str(model_folder))
+    steer = {str(tokenizer.encode(ANSWER)[0]): 20}
+    base = {"messages": [QUESTION], "tools": [WEATHER], "max_tokens": 16, "logit_bias": steer}
+    answered, forced = producer.submit_many(
+        [base, {**base, "tool_choice": "required", "parallel_tool_calls": False}]
+    )
+    assert answered.result(timeout=300).text == ANSWER  # what the model does when it decides
+    result = forced.result(timeout=300)
+    assert result.finish_reason == "tool_calls" and result.text == ""
+    assert result.tool_calls is not None and len(result.tool_calls) == 1
+    (call,) = result.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_a_named_tool_choice_calls_that_tool_with_valid_arguments(producer: Producer) -> None:
+    """The rigged model always writes the get_weather call; named get_time, the grammar masks that call
+    out and the row writes a get_time call whose arguments validate against get_time's schema."""
+    request = {
+        "messages": [QUESTION],
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "max_tokens": 64,
+    }
+    result = producer.submit(request).result(timeout=300)
+    assert result.finish_reason == "tool_calls", result
+    assert result.tool_calls is not None and len(result.tool_calls) >= 1
+    for call in result.tool_calls:
+        assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])  # type: ignore[index]
