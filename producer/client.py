@@ -145,6 +145,11 @@ class JobHandle:
         waiting = on_wait or _UnheardJobWarning(self)
         results_key = Result.get_key(self.id)
         while True:
+            # The results stream's last entry is read before the status: a result written after the
+            # status read lies past it and wakes the wait below at once (read after the status, the
+            # wait could take that very result for an old one and sleep a whole poll).
+            latest: Any = self.connection.xrevrange(results_key, "+", "-", count=1)
+            last_id = latest[0][0] if latest else "0-0"
             outcome = self._outcome()
             if outcome is not None:
                 return outcome
@@ -153,8 +158,6 @@ class JobHandle:
                 raise self._timed_out(timeout)
             waiting()
             # Woken as soon as the worker writes a result; the poll catches cancels (no result).
-            latest: Any = self.connection.xrevrange(results_key, "+", "-", count=1)
-            last_id = latest[0][0] if latest else "0-0"
             self._read(results_key, last_id, block=block, count=1)
 
     def _outcome(self) -> GenerationResult | None:

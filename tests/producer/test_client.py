@@ -121,6 +121,37 @@ def test_result_returns_the_workers_result(producer: Producer) -> None:
     finisher.join()
 
 
+def test_a_result_written_just_after_the_status_read_wakes_the_wait_at_once(
+    producer: Producer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker finishes the job between result()'s status read and its wait: the wait must not take
+    that result for an old one and sleep a whole poll (a 1 s tail kvrq serve's benchmark showed)."""
+    handle = producer.submit({"prompt": "a"})
+    payload = {
+        "job_id": handle.id,
+        "agent_id": None,
+        "text": "Paris.",
+        "token_ids": [1],
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 1, "reused_tokens": 0, "prefilled_tokens": 1, "generated_tokens": 1},
+        "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.1, "total_s": 0.2},
+    }
+    outcome = type(handle)._outcome
+    reads = []
+
+    def finished_right_after(self: object) -> object:
+        found = outcome(handle)
+        if not reads:
+            _finish_like_a_worker(producer, handle.id, payload)  # just after the status was read
+        reads.append(found)
+        return found
+
+    monkeypatch.setattr(type(handle), "_outcome", finished_right_after)
+    started = time.monotonic()
+    assert handle.result(timeout=5).text == "Paris."
+    assert time.monotonic() - started < 0.5 and reads[0] is None
+
+
 def test_canceling_a_queued_job(producer: Producer) -> None:
     handle = producer.submit({"prompt": "a"})
     assert handle.cancel() is True
