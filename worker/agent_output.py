@@ -18,7 +18,9 @@ from typing import Any, Literal
 
 from engine.core.params import SamplingParams
 from producer.models import GenerationRequest, ToolCall, ToolCallFunction
+from worker import tool_format
 from worker.jobs import JobRejected
+from worker.tool_format import native_tool_calling
 
 Part = Literal["text", "reasoning", "tool"]
 
@@ -152,8 +154,15 @@ def splitter_for(tokenizer: Any, request: GenerationRequest, prompt: list[int]) 
     if getattr(tokenizer, "has_thinking", False) and request.messages is not None:
         think = (str(tokenizer.think_start), str(tokenizer.think_end))
     tools = None
-    if tools_rendered(request) and getattr(tokenizer, "has_tool_calling", False):
-        tools = (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end))
+    parser = None
+    if tools_rendered(request):
+        if native_tool_calling(tokenizer):
+            tools, parser = (
+                (str(tokenizer.tool_call_start), str(tokenizer.tool_call_end)),
+                tokenizer.tool_parser,
+            )
+        else:
+            tools, parser = tool_format.MARKERS, tool_format.parse_tool_call
     if think is None and tools is None:
         return None
     starts_in: Part = "text"
@@ -162,7 +171,7 @@ def splitter_for(tokenizer: Any, request: GenerationRequest, prompt: list[int]) 
     return OutputSplitter(
         think=think,
         tool_markers=tools,
-        tool_parser=tokenizer.tool_parser if tools else None,
+        tool_parser=parser,
         tools=tool_dicts(request) if tools else None,
         starts_in=starts_in,
     )

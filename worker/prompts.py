@@ -1,7 +1,9 @@
 """Turn a request into prompt token ids: raw text as is, chat messages through the model's template.
 
 Both producers and tests call this, so "the same request" means the same tokens everywhere.
-Tools and `chat_template_kwargs` go to the template as mlx-lm's server hands them over.
+Tools and `chat_template_kwargs` go to the template as mlx-lm's server hands them over; for a template
+that declares no tool calling, kvrq writes the tools, calls and results into the messages
+(worker/tool_format.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 
 from producer.models import GenerationRequest
 from worker.agent_output import tool_dicts, tools_rendered
+from worker.tool_format import native_tool_calling, written_into_messages
 
 
 class PromptError(ValueError):
@@ -20,14 +23,12 @@ def prompt_tokens(tokenizer: Any, request: GenerationRequest) -> list[int]:
     if request.messages is not None:
         messages = [m.template_dict() for m in request.messages]
         options: dict[str, Any] = dict(request.chat_template_kwargs or {})
-        if tools_rendered(request):
-            if not getattr(tokenizer, "has_tool_calling", False):
-                raise PromptError(
-                    "this model's chat template declares no tool calling (mlx-lm finds no tool-call "
-                    "format in it), so tool calls could not be told from text: send the request without "
-                    "tools, or use a model whose template supports them"
-                )
-            options["tools"] = tool_dicts(request)
+        tools = tool_dicts(request) if tools_rendered(request) else None
+        if native_tool_calling(tokenizer):
+            if tools:
+                options["tools"] = tools
+        elif tools or any(m.role == "tool" or m.tool_calls for m in request.messages):
+            messages = written_into_messages(messages, tools)  # the template knows no tools: kvrq's format
         try:
             rendered = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, **options

@@ -1,7 +1,7 @@
-"""Samplers, logit_bias, logprobs and response_format through a real worker with the builtin model (few
-tokens), and the values only the worker can judge (a logit_bias id past the vocabulary, tools for a template
-without tool calling, a schema the grammar library cannot enforce) failed as invalid_request when the job is
-taken, before it waits for a batch slot.
+"""Samplers, logit_bias, logprobs, response_format and forced tool calls through a real worker with the
+builtin model (few tokens), and the values only the worker can judge (a logit_bias id past the vocabulary,
+a schema the grammar library cannot enforce, response_format with tools the model may call) failed as
+invalid_request when the job is taken, before it waits for a batch slot.
 
 The exact equality of each sampler and processor with mlx-lm's own is tested on a tiny model
 (tests/engine/test_row_processors.py); here the point is that every field reaches the engine."""
@@ -109,15 +109,11 @@ def test_logit_bias_steers_the_answer_and_logprobs_stream_as_events(producer: Pr
             rf"logit_bias token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)",
         ),
         (
-            {"tools": [{"type": "function", "function": {"name": "get_weather"}}]},
-            "this model's chat template declares no tool calling",
-        ),
-        (
             {
                 "tools": [{"type": "function", "function": {"name": "get_weather"}}],
-                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
             },
-            "this model's chat template declares no tool calling",
+            "the tools offered could never be called",
         ),
         (
             {
@@ -177,3 +173,49 @@ def test_response_format_holds_each_row_to_its_own_grammar_in_one_batch(producer
     assert object_row.finish_reason == "stop", object_row.text
     assert isinstance(json.loads(object_row.text), dict)
     assert plain.token_ids == plain_alone.token_ids
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 32}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_the_builtin_calls_a_forced_tool_and_resumes_after_its_result(producer: Producer) -> None:
+    """SmolLM2's template declares no tool calling: kvrq writes the tools into the system message and the
+    call into the history; tool_choice "required" makes the answer a valid call; the round trip's second
+    turn resumes the agent's KV past the first turn's whole prompt."""
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    first = {
+        "agent_id": "builtin-tools",
+        "messages": [ask],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 48,
+    }
+    called = producer.submit(first).result(timeout=300)
+    assert called.finish_reason == "tool_calls" and called.text == ""
+    assert called.tool_calls is not None and len(called.tool_calls) == 1
+    (call,) = called.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])  # type: ignore[index]
+
+    history = [
+        ask,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(mode="json")]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+    ]
+    final = producer.submit({**first, "messages": history, "tool_choice": "auto", "max_tokens": 8}).result(
+        timeout=300
+    )  # the tools offered again, as clients send them: the model decides
+    assert final.usage.reused_tokens >= called.usage.prompt_tokens
