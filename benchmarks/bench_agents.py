@@ -4,6 +4,7 @@ own OpenAI-compatible server, on the same weights, on this machine, in the same 
     python benchmarks/bench_agents.py                       # 12 agents x 3 turns, 2 runs of each side
     python benchmarks/bench_agents.py --agents 2 --turns 2 --max-tokens 8 --runs 1 --out /tmp/a.json
     python benchmarks/bench_agents.py --only server         # one side (no ratios then)
+    python benchmarks/bench_agents.py --sides kvrq http     # kvrq's producer path against its HTTP door
 
 Each agent has its own ~700-token briefing (the system message: a ship, its home port, crew and
 cargo, generated from a seed per agent, so every agent's prefix differs from its first tokens).
@@ -40,8 +41,14 @@ sets OPENBLAS_NUM_THREADS for it: docs/platform.md measured mlx_lm.server's deco
 with 1 thread (its HTTP threads fight OpenBLAS's over the 2 cores), but this workload is mostly
 prefill, and a 2-agent smoke run here was no faster with 1 (21 s wall against 19 s).
 
-Every run starts fresh processes on both sides (empty caches); the order of the two sides
-alternates between runs. Writes benchmarks/results/agents.json.
+http: kvrq behind its own HTTP front door (`kvrq serve`, docs/http.md): the same redis-server and
+worker as the kvrq side, plus a `kvrq serve` process, driven by the very client that drives
+mlx_lm.server (streaming POST /v1/chat/completions with include_usage), each agent named by
+`prompt_cache_key`. Against the kvrq side it shows what HTTP costs; against the server side it is
+the comparison an OpenAI client sees.
+
+Every run starts fresh processes on every side (empty caches); the order of the sides alternates
+between runs. Writes benchmarks/results/agents.json.
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -71,6 +79,7 @@ sys.path.insert(0, str(ROOT))
 from engine.cpu.blas import blas_preload_env, ensure_fast_blas  # noqa: E402
 
 Message = dict[str, str]
+SIDES = ["kvrq", "server", "http"]
 
 SHIPS = ["Albatross", "Boreas", "Cormorant", "Dunlin", "Egret", "Fulmar", "Gannet", "Heron"]
 SHIPS += ["Ibis", "Jacana", "Kestrel", "Lapwing", "Merlin", "Nightjar", "Osprey", "Petrel"]
@@ -176,8 +185,9 @@ def drive(ask: Ask, agents: int, turns: int) -> tuple[float, list[dict[str, Any]
 # ---- kvrq ------------------------------------------------------------------------------------
 
 
-def run_kvrq(args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
-    from producer.client import Producer
+@contextmanager
+def kvrq_worker() -> Iterator[tuple[str, Path]]:
+    """A private redis-server and one `kvrq worker` on the builtin model: (Redis URL, a work folder)."""
     from tests.worker.procs import RedisProcess, WorkerProcess
 
     with tempfile.TemporaryDirectory(prefix="kvrq-agents-") as tmp:
@@ -187,42 +197,46 @@ def run_kvrq(args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
         worker = WorkerProcess(redis.url, workdir, name="agents", env={"KVRQ_HEARTBEAT_INTERVAL": "5"})
         try:
             worker.start()
-            with Producer(redis.url) as producer:
-
-                def ask(agent: int, messages: list[Message]) -> Answer:
-                    started = time.perf_counter()
-                    handle = producer.submit(
-                        {
-                            "agent_id": f"agent-{agent}",
-                            "messages": messages,
-                            "max_tokens": args.max_tokens,
-                            "temperature": 0.0,
-                        }
-                    )
-                    first, parts = None, []
-                    for delta in handle.stream(timeout=1200):
-                        if delta and first is None:
-                            first = time.perf_counter() - started
-                        parts.append(delta)
-                    total = time.perf_counter() - started
-                    result = handle.result(timeout=60)
-                    usage, timings = result.usage, result.timings
-                    worker_view = {
-                        "queued_s": timings.queued_s,
-                        "cache_load_s": timings.cache_load_s,
-                        "engine_ttft_s": timings.engine_time_to_first_token_s,
-                        "ttft_s": timings.time_to_first_token_s,
-                    }
-                    return Answer(
-                        "".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens, worker_view
-                    )
-
-                warm_up = producer.submit({"prompt": "Hello", "max_tokens": 2})  # model pages, first step
-                warm_up.result(timeout=300)
-                return drive(ask, args.agents, args.turns)
+            yield redis.url, workdir
         finally:
             worker.stop()
             redis.stop()
+
+
+def run_kvrq(args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
+    from producer.client import Producer
+
+    with kvrq_worker() as (redis_url, _), Producer(redis_url) as producer:
+
+        def ask(agent: int, messages: list[Message]) -> Answer:
+            started = time.perf_counter()
+            handle = producer.submit(
+                {
+                    "agent_id": f"agent-{agent}",
+                    "messages": messages,
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0.0,
+                }
+            )
+            first, parts = None, []
+            for delta in handle.stream(timeout=1200):
+                if delta and first is None:
+                    first = time.perf_counter() - started
+                parts.append(delta)
+            total = time.perf_counter() - started
+            result = handle.result(timeout=60)
+            usage, timings = result.usage, result.timings
+            worker_view = {
+                "queued_s": timings.queued_s,
+                "cache_load_s": timings.cache_load_s,
+                "engine_ttft_s": timings.engine_time_to_first_token_s,
+                "ttft_s": timings.time_to_first_token_s,
+            }
+            return Answer("".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens, worker_view)
+
+        warm_up = producer.submit({"prompt": "Hello", "max_tokens": 2})  # model pages, first step
+        warm_up.result(timeout=300)
+        return drive(ask, args.agents, args.turns)
 
 
 # ---- mlx_lm.server ---------------------------------------------------------------------------
@@ -291,36 +305,54 @@ def start_server(folder: Path, port: int, log_path: Path, blas_threads: int) -> 
     command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    deadline = time.monotonic() + 300
+    wait_ready("mlx_lm.server", port, proc, lambda status, _: status == 200, 300, log_path)
+    return proc
+
+
+def wait_ready(
+    name: str,
+    port: int,
+    proc: subprocess.Popen[bytes],
+    ready: Callable[[int, bytes], bool],
+    timeout: float,
+    log_path: Path,
+) -> None:
+    """Until GET /health on `port` answers as `ready` says (status, body); the log shown if it exits."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"mlx_lm.server exited with {proc.returncode}:\n{log_path.read_text()}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_path.read_text()}")
         try:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             connection.request("GET", "/health")
-            if connection.getresponse().status == 200:
-                return proc
+            response = connection.getresponse()
+            if ready(response.status, response.read()):
+                return
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.3)
     proc.kill()
-    raise RuntimeError("mlx_lm.server did not answer /health within 300 s")
+    raise RuntimeError(f"{name} was not ready within {timeout:.0f} s")
 
 
-def ask_server(port: int, messages: list[Message], max_tokens: int) -> Answer:
-    body = {
+def ask_server(port: int, messages: list[Message], max_tokens: int, agent: str | None = None) -> Answer:
+    """One streamed chat request to an OpenAI-compatible server (mlx_lm.server, or kvrq serve with the
+    agent as `prompt_cache_key`)."""
+    body: dict[str, Any] = {
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if agent is not None:
+        body["prompt_cache_key"] = agent
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1200)
     started = time.perf_counter()
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
     if response.status != 200:
-        raise RuntimeError(f"mlx_lm.server answered {response.status}: {response.read()[:500]!r}")
+        raise RuntimeError(f"the server answered {response.status}: {response.read()[:500]!r}")
     first, parts = None, []
     usage: dict[str, Any] = {}
     for raw in response:
@@ -362,6 +394,31 @@ def run_server(args: argparse.Namespace, folder: Path) -> tuple[float, list[dict
             proc.wait(timeout=10)
 
 
+# ---- kvrq serve -------------------------------------------------------------------------------
+
+
+def run_http(args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
+    from worker.cli.spawn import free_port
+
+    with kvrq_worker() as (redis_url, workdir):
+        port = free_port()
+        command = [sys.executable, "-m", "worker.cli", "serve", "--redis", redis_url, "--port", str(port)]
+        log_path = workdir / "serve.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([*command, "--log-level", "warning"], stdout=log, stderr=log, cwd=ROOT)
+        try:  # ready once it lists the worker's model
+            wait_ready("kvrq serve", port, proc, lambda status, body: b"smollm2" in body, 120, log_path)
+            ask_server(port, [{"role": "user", "content": "Hello"}], 2)  # model pages, first step
+            return drive(
+                lambda agent, messages: ask_server(port, messages, args.max_tokens, agent=f"agent-{agent}"),
+                args.agents,
+                args.turns,
+            )
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 # ---- report ----------------------------------------------------------------------------------
 
 
@@ -399,9 +456,13 @@ def worker_medians(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     return {k: round(statistics.median(v[k] for v in views), 3) for k in keys}
 
 
-def ratios(kvrq: dict[str, Any], server: dict[str, Any]) -> dict[str, float | None]:
+#: (slower, faster) pairs whose ratios the report gives, where both sides ran.
+RATIO_PAIRS = (("server", "kvrq"), ("server", "http"), ("http", "kvrq"))
+
+
+def ratios(faster: dict[str, Any], slower: dict[str, Any]) -> dict[str, float | None]:
     def ratio(key: str) -> float | None:
-        a, b = kvrq.get(key), server.get(key)
+        a, b = faster.get(key), slower.get(key)
         return round(b / a, 2) if a and b else None
 
     return {"wall": ratio("wall_s"), "ttft_later_median": ratio("ttft_later_median_s")}
@@ -441,10 +502,11 @@ def print_table(report: dict[str, Any]) -> None:
             f"| {fmt(r['turn_total_median_s'])} | {r['reused_share_later_turns']:.0%} | {load} |"
         )
     if report["ratios"]:
-        print("\n| run | wall server / kvrq | later-turn TTFT p50 server / kvrq |")
-        print("|---|---|---|")
-        for run, rat in report["ratios"].items():
-            print(f"| {run} | {fmt(rat['wall'])} | {fmt(rat['ttft_later_median'])} |")
+        print("\n| run | sides | wall | later-turn TTFT p50 |")
+        print("|---|---|---|---|")
+        for run, by_pair in report["ratios"].items():
+            for pair, rat in by_pair.items():
+                print(f"| {run} | {pair} | {fmt(rat['wall'])} | {fmt(rat['ttft_later_median'])} |")
 
 
 def main() -> int:
@@ -456,7 +518,8 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--only", choices=["kvrq", "server"])
+    parser.add_argument("--only", choices=SIDES, help="run one side")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, help="run these sides [kvrq server]")
     parser.add_argument(
         "--server-blas-threads",
         type=int,
@@ -465,7 +528,7 @@ def main() -> int:
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agents.json"))
     args = parser.parse_args()
-    sides = [args.only] if args.only else ["kvrq", "server"]
+    sides = [args.only] if args.only else args.sides or ["kvrq", "server"]
 
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/bench_agents.py", *sys.argv[1:]]),
@@ -491,18 +554,21 @@ def main() -> int:
             for side in sides if run % 2 else sides[::-1]:
                 print(f"run {run}: {side} ({args.agents} agents x {args.turns} turns) ...", flush=True)
                 before = os.getloadavg()
-                wall, rows = run_kvrq(args) if side == "kvrq" else run_server(args, folder)
+                runners = {"kvrq": run_kvrq, "http": run_http, "server": lambda a: run_server(a, folder)}
+                wall, rows = runners[side](args)
                 runs.append(side_summary(side, run, wall, rows, [before, os.getloadavg()]))
                 print(f"  wall {wall:.1f} s", flush=True)
     report["load_average_after"] = os.getloadavg()
     report["runs"] = runs
     report["pooled"] = {side: pooled(side, runs) for side in sides}
     report["ratios"] = {}
-    if len(sides) == 2:
-        for run in range(1, args.runs + 1):
-            k, s = (next(r for r in runs if r["run"] == run and r["side"] == x) for x in ("kvrq", "server"))
-            report["ratios"][str(run)] = ratios(k, s)
-        report["ratios"]["all"] = ratios(report["pooled"]["kvrq"], report["pooled"]["server"])
+    pairs = [(slow, fast) for slow, fast in RATIO_PAIRS if slow in sides and fast in sides]
+    for run in [*range(1, args.runs + 1), 0]:
+        summary = {r["side"]: r for r in runs if r["run"] == run} if run else report["pooled"]
+        report["ratios"][str(run or "all")] = {f"{s} / {f}": ratios(summary[f], summary[s]) for s, f in pairs}
+    if not pairs:
+        report["ratios"] = {}
+    if "kvrq" in sides and "server" in sides:
         report["same_turn1_answers"] = [
             sum(
                 a["text"] == b["text"]

@@ -33,6 +33,7 @@ class ServeProcess:
     """`python -m worker.cli serve` on a free loopback port, logging to a file."""
 
     def __init__(self, redis_url: str, workdir: Path) -> None:
+        self.redis_url = redis_url
         self.port = free_port()
         self.log_path = workdir / "serve.log"
         command = [

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -90,9 +91,9 @@ class StandInWorker:
         self.rq_worker.register_death()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, StandInWorker]]:
-    workdir: Path = tmp_path_factory.mktemp("http-load")
+@contextmanager
+def stand_in_stack(workdir: Path) -> Iterator[tuple[ServeProcess, StandInWorker]]:
+    """A redis-server, the stand-in worker and a `kvrq serve` that lists its model."""
     redis = RedisProcess(workdir)
     redis.start()
     worker = StandInWorker(redis.url)
@@ -108,6 +109,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProce
         server.stop()
         worker.close()
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, StandInWorker]]:
+    with stand_in_stack(tmp_path_factory.mktemp("http-load")) as running:
+        yield running
 
 
 def rss_mb(pid: int) -> float:
