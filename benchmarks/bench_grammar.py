@@ -5,6 +5,13 @@ no grammar vs every row under a JSON schema (its logits masked by engine/batch/g
 so both sides see the same machine; plus the mask's own time a step (the 16 rows' processor calls).
 Target (issue 25): the mask costs under 10% of a 16-row decode step.
 
+`--only calls`: forced tool calls (issue 31) over the corpus's BFCL function definitions (each entry's
+top-level properties are its functions and their parameter schemas): the builtin model (kvrq's tool format,
+its template declares none) must call with tool_choice "required" (parallel calls for the parallel subsets),
+rendered, split and parsed exactly as the worker does; every call must name an offered function and its
+arguments validate against that function's schema. Counts: valid / invalid calls, rows cut by max_tokens,
+definitions refused (by the request model's metaschema check or llguidance) with their reason.
+
 `--only corpus`: real-world schemas from ../shared/data/jsonschemabench (read in place, never copied):
 how many compile (llguidance) or are refused with a reason, compile time, and the per-token mask time
 (p50, p99) while each schema's valid instances are fed token by token; valid instances that the grammar
@@ -161,28 +168,113 @@ def bench_corpus(limit: int) -> dict[str, Any]:
     }
 
 
+def bench_calls(limit: int, max_tokens: int) -> dict[str, Any]:
+    import jsonschema
+    from pydantic import ValidationError
+
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.core.errors import InvalidRequestError
+    from engine.models.load import load_model
+    from producer.models import GenerationRequest
+    from worker.agent_output import splitter_for
+    from worker.jobs import JobRejected, checked_sampling
+    from worker.prompts import prompt_tokens
+    from worker.tool_grammar import forced_tool_calls
+
+    model, tokenizer = load_model()
+    engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2", pool_mb=1536, max_batch=ROWS)
+    refused: list[str] = []
+    waiting = []
+    with gzip.open(CORPUS, "rt") as lines:
+        entries = [entry for line in lines if (entry := json.loads(line))["subset"].startswith("BFCL")]
+    spread = entries[:: max(1, len(entries) // limit)][:limit]  # every subset, in its share
+    for entry in spread:
+        functions = entry["schema"].get("properties", {})
+        tools = [
+            {"type": "function", "function": {"name": name, "parameters": schema}}
+            for name, schema in functions.items()
+        ]
+        try:
+            request = GenerationRequest.model_validate(
+                {
+                    "messages": [{"role": "user", "content": "Call the function that fits, with arguments."}],
+                    "tools": tools,
+                    "tool_choice": "required",
+                    "parallel_tool_calls": "parallel" in entry["subset"],
+                    "max_tokens": max_tokens,
+                }
+            )
+            tokens = prompt_tokens(tokenizer, request)
+            output = splitter_for(tokenizer, request, tokens)
+            sampling = checked_sampling(request, engine.check, forced_tool_calls(tokenizer, request, output))
+        except (ValidationError, JobRejected, InvalidRequestError) as exc:
+            refused.append(f"{entry['id']}: {str(exc).splitlines()[0][:160]}")
+            continue
+        waiting.append((entry["id"], functions, tokens, output, sampling))
+    counts = {"valid_calls": 0, "invalid_calls": 0, "rows_without_a_call": 0, "rows_cut_by_max_tokens": 0}
+    invalid: list[str] = []
+    running: dict[int, tuple[str, dict[str, Any], Any]] = {}
+    started = time.perf_counter()
+    while waiting or engine.has_work():
+        while waiting and engine.admission(len(waiting[0][2]), max_tokens).verdict == "now":
+            name, functions, tokens, output, sampling = waiting.pop(0)
+            running[engine.submit(None, tokens, sampling, keep_cache=False)] = (name, functions, output)
+        for completion in engine.step().completions:
+            name, functions, output = running.pop(completion.uid)
+            output.feed(completion.text)
+            output.finish()
+            if completion.finish_reason == "length":
+                counts["rows_cut_by_max_tokens"] += 1
+            if not output.tool_calls:
+                counts["rows_without_a_call"] += 1
+                invalid.append(f"{name}: no call in {completion.text[:120]!r}")
+            for call in output.tool_calls:
+                try:
+                    jsonschema.validate(json.loads(call.function.arguments), functions[call.function.name])
+                    counts["valid_calls"] += 1
+                except (KeyError, ValueError, jsonschema.ValidationError) as exc:
+                    counts["invalid_calls"] += 1
+                    invalid.append(f"{name}: {call.function.name}: {str(exc)[:120]}")
+    engine.close()
+    return {
+        "definitions": limit,
+        "refused_with_reason": len(refused),
+        "refused": refused[:20],
+        **counts,
+        "invalid": invalid[:20],
+        "seconds": time.perf_counter() - started,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["step", "corpus"], action="append")
+    parser.add_argument("--only", choices=["step", "corpus", "calls"], action="append")
+    parser.add_argument("--calls", type=int, default=300, help="BFCL entries for --only calls")
+    parser.add_argument("--call-tokens", type=int, default=160, help="max_tokens of a forced call")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of plain and grammar batches")
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch")
     parser.add_argument("--schemas", type=int, default=500, help="corpus schemas read (of ~9,000)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results/grammar.json")
     args = parser.parse_args()
-    only = args.only or ["step", "corpus"]
+    only = args.only or ["step", "corpus", "calls"]
     ensure_fast_blas()
     results: dict[str, Any] = {}
     if "step" in only:
         results["step"] = bench_step(args.rounds, args.steps)
         print(json.dumps(results["step"], indent=1))
-    if "corpus" in only:
-        if CORPUS.exists():
-            results["corpus"] = bench_corpus(args.schemas)
-            print(json.dumps(results["corpus"], indent=1))
-        else:
-            print(f"corpus not found at {CORPUS}: skipped")
+    for part, run in (
+        ("corpus", lambda: bench_corpus(args.schemas)),
+        ("calls", lambda: bench_calls(args.calls, args.call_tokens)),
+    ):
+        if part not in only:
+            continue
+        if not CORPUS.exists():
+            print(f"corpus not found at {CORPUS}: {part} skipped")
+            continue
+        results[part] = run()
+        print(json.dumps(results[part], indent=1))
     args.out.write_text(json.dumps(results, indent=1) + "\n")
 
 
