@@ -48,8 +48,9 @@ class Bridge:
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvrq-http")
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.producer.close()
+        """At shutdown: the cancels of the requests the server cut off still go out (queued calls run;
+        the waits end within a poll, their stop flags set)."""
+        self.executor.shutdown(wait=False)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
@@ -59,7 +60,10 @@ class Bridge:
 
     def cancel_soon(self, handle: JobHandle) -> None:
         """Cancel the job on a thread, not waiting: for where nothing can be awaited (a closing stream)."""
-        self.executor.submit(_cancel, handle)
+        try:
+            self.executor.submit(_cancel, handle)
+        except RuntimeError:  # the server is stopping and its pool takes no more work: a thread of its own
+            threading.Thread(target=_cancel, args=(handle,), name="kvrq-http-cancel").start()
 
     async def result(self, handle: JobHandle, *, timeout: float, gone: Awaitable[object]) -> GenerationResult:
         """The job's result; APIError when it fails, or times out (it is canceled); ClientGone when

@@ -6,9 +6,10 @@ runs the real one): the stand-in makes the run take seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,7 +60,15 @@ class StandInWorker:
             if popped is not None:
                 self.answer(popped[1].decode())
 
-    def answer(self, job_id: str) -> None:
+    def begin(self, job_id: str) -> None:
+        """The start of an answer that never ends: the stream's start and first delta."""
+        text = self.events(job_id)[1].text
+        for event in self.events(job_id)[:2]:
+            self.connection.xadd(stream_key(job_id), event.to_fields())  # type: ignore[arg-type]
+        assert text
+
+    def events(self, job_id: str) -> list[StreamEvent]:
+        """start, then three deltas that spell the request's last message."""
         job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
         text = job.args[0]["messages"][-1]["content"]
         thirds = [
@@ -67,7 +76,12 @@ class StandInWorker:
             text[len(text) // 3 : 2 * len(text) // 3],
             text[2 * len(text) // 3 :],
         ]
-        events = [StreamEvent("start", attempt="1")] + [StreamEvent("delta", text=t, token=1) for t in thirds]
+        return [StreamEvent("start", attempt="1")] + [StreamEvent("delta", text=t, token=1) for t in thirds]
+
+    def answer(self, job_id: str) -> None:
+        job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+        text = job.args[0]["messages"][-1]["content"]
+        events = self.events(job_id)
         result = {
             "job_id": job_id,
             "agent_id": job.args[0].get("agent_id"),
@@ -85,9 +99,13 @@ class StandInWorker:
             pipe.execute()
         self.jobs += 1
 
-    def close(self) -> None:
+    def pause(self) -> None:
+        """Take no more jobs; stay registered, so the model is still served."""
         self.stop.set()
         self.thread.join(timeout=5)
+
+    def close(self) -> None:
+        self.pause()
         self.rq_worker.register_death()
 
 
@@ -160,3 +178,48 @@ def test_200_streaming_clients_1000_requests(stack: tuple[ServeProcess, StandInW
     print(f"{REQUESTS - WARMUP} requests, {CLIENTS} clients: {took:.1f} s; server RSS by round {shown} MB")
     assert rss[-1] - rss[1] < 10, f"the server's memory grows round after round: {shown} MB"
     assert server.serves(MODEL)
+
+
+def test_a_stopping_server_cancels_the_jobs_it_waits_on(tmp_path: Path) -> None:
+    """SIGTERM while three requests wait: a plain and a streamed one on queued jobs, and a stream that
+    has begun (its job's first delta sent, no end). All three jobs are canceled."""
+    with stand_in_stack(tmp_path) as (server, worker):
+        worker.pause()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        chunks: list[object] = []
+
+        def streamed(words: str) -> None:
+            for chunk in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": words}], stream=True
+            ):
+                chunks.append(chunk)
+
+        calls = [
+            lambda: client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "plain"}]
+            ),
+            lambda: streamed("queued"),
+            lambda: streamed("begun"),
+        ]
+        for call in calls:
+            threading.Thread(target=_quietly, args=(call,), daemon=True).start()
+        wait_for(lambda: worker.queue.count == 3, 10, "the jobs were not enqueued")
+        jobs = worker.queue.get_job_ids()
+        (begun,) = [
+            j
+            for j in jobs
+            if Job.fetch(j, connection=worker.connection, serializer=JSONSerializer).args[0]["messages"][0][
+                "content"
+            ]
+            == "begun"
+        ]
+        worker.connection.lrem(worker.queue.key, 1, begun)
+        worker.begin(begun)
+        wait_for(lambda: len(chunks) >= 2, 10, "the begun stream sent nothing")  # the role, then "be"
+        server.stop()
+        assert [Job(job_id, connection=worker.connection).get_status() for job_id in jobs] == ["canceled"] * 3
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    with contextlib.suppress(openai.APIError):
+        call()
