@@ -16,6 +16,7 @@ from producer.redact import redact_url
 
 INSTALL_HINT = "kvrq serve needs the serve extra: pip install -e '.[serve]' (fastapi, uvicorn)"
 LOOPBACK = "127.0.0.1"
+LOOPBACKS = frozenset({LOOPBACK, "localhost", "::1"})
 DEFAULT_PORT = 8000
 
 
@@ -69,13 +70,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued,
         api_keys=tuple(keys),
     )
-    logging.getLogger("kvrq.http").info(
+    log = logging.getLogger("kvrq.http")
+    log.info(
         "kvrq serve on http://%s:%d, Redis %s%s",
         args.host,
         args.port,
         redact_url(args.redis),
         f", {len(keys)} API key(s)" if keys else "",
     )
+    if not keys and args.host not in LOOPBACKS:
+        log.warning(
+            "listening on %s without API keys: anyone who reaches it can run jobs "
+            "(--api-key-file or KVRQ_API_KEYS; docs/http.md)",
+            args.host,
+        )
     # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again under the handlers it
     # found: with these, a requested stop exits 0 (as the worker's and the dashboard's do), not -15.
     for sig in (signal.SIGINT, signal.SIGTERM):
