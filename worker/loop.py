@@ -81,7 +81,7 @@ from worker.outcomes import COUNTERS, Canceled, Failed, Finished, HandedBack, Ou
 from worker.ports import Engine, Store
 from worker.prompts import PromptError, prompt_tokens
 from worker.publisher import Publisher
-from worker.results import build_result, cache_label, job_observations
+from worker.results import answer_finish_reason, build_result, cache_label, job_observations
 from worker.scheduled import ScheduledJobs
 from worker.scheduler import Scheduler
 from worker.settings import WorkerSettings
@@ -590,7 +590,8 @@ class WorkerLoop:
     def _publish_ending(self, job: Job, outcome: Outcome, held: HeldJob | None = None) -> None:
         progress: dict[str, Any] = {"phase": outcome.phase}
         if isinstance(outcome, Finished):
-            self.publisher.end(job.id, outcome.completion.finish_reason)
+            output = None if held is None else held.output
+            self.publisher.end(job.id, answer_finish_reason(output, outcome.completion.finish_reason))
             progress["generated_tokens"] = len(outcome.completion.token_ids)
         elif isinstance(outcome, Failed) and not outcome.retry:
             job.meta[ERROR_META_KEY] = {"code": outcome.code, "message": outcome.message}

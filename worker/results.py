@@ -14,6 +14,7 @@ from worker.logprobs import LogprobFormatter
 
 if TYPE_CHECKING:
     from engine.core.results import Completion
+    from worker.agent_output import OutputSplitter
 
 
 def timings(held: HeldJob, completion: Completion | None, ended: float) -> Timings:
@@ -31,15 +32,20 @@ def timings(held: HeldJob, completion: Completion | None, ended: float) -> Timin
     )
 
 
+def answer_finish_reason(split: OutputSplitter | None, engine_reason: FinishReason) -> FinishReason:
+    """The finish reason a client sees: "tool_calls" where the row stopped after its tool calls."""
+    if split is not None and split.tool_calls and engine_reason == "stop":
+        return "tool_calls"
+    return engine_reason
+
+
 def build_result(
     held: HeldJob, completion: Completion, *, model: str, worker: str, logprobs: LogprobFormatter
 ) -> dict[str, Any]:
     """The job's result; with an output splitter, the answer apart from its reasoning and tool calls
     (a row that ended with a tool call and nothing else to say finishes with "tool_calls")."""
     split = held.output
-    finish_reason: FinishReason = completion.finish_reason
-    if split is not None and split.tool_calls and finish_reason == "stop":
-        finish_reason = "tool_calls"
+    finish_reason = answer_finish_reason(split, completion.finish_reason)
     result = GenerationResult(
         job_id=held.id,
         agent_id=held.agent_id,

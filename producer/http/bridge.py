@@ -198,10 +198,6 @@ class Replay:
             if self.attempt[kind] <= self.sent[kind]:
                 return None
             self.sent[kind] += 1
-        if kind == "end" and event.finish_reason == "stop" and self.sent["tool_call"]:
-            # The end marker carries the engine's reason; the result says "tool_calls" for a row that
-            # ended on its calls (worker/results.py): the stream says what the result says.
-            return replace(event, finish_reason="tool_calls")
         return event
 
 

@@ -145,9 +145,11 @@ def test_a_tool_call_its_result_and_the_final_answer(producer: Producer, model_f
         "max_tokens": 8,
     }
     handle = producer.submit(first)
-    calls = [event.data for event in handle.events(timeout=300) if event.kind == "tool_call"]
+    events = list(handle.events(timeout=300))
+    calls = [event.data for event in events if event.kind == "tool_call"]
     result = handle.result(timeout=60)
     assert result.finish_reason == "tool_calls" and result.text == ""
+    assert events[-1].kind == "end" and events[-1].finish_reason == "tool_calls"  # the stream says so too
     assert result.tool_calls is not None and len(result.tool_calls) == 1
     (call,) = result.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
