@@ -6,6 +6,7 @@ takes it, so greedy runs pass it in `extra_body`."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -255,3 +256,66 @@ def test_seeded_sampling_repeats_itself(client: openai.OpenAI) -> None:
         for _ in range(2)
     }
     assert len(answers) == 1 and answers != {""}
+
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup_capital",
+        "description": "The capital city of a country",
+        "parameters": {
+            "type": "object",
+            "properties": {"country": {"type": "string", "maxLength": 40}},
+            "required": ["country"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_forced_tool_calls_and_json_output_on_the_builtin(
+    client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """What pydantic-ai and BFCL-style clients send, on a model whose template declares no tools: a call
+    forced by tool_choice "required" (OpenAI) and {"type": "tool"} (Anthropic), and a json_schema answer."""
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        tools=[LOOKUP],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,  # a 135M model left free calls again and again until max_tokens
+        max_completion_tokens=48,
+        **GREEDY,
+    )
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "lookup_capital"  # type: ignore[union-attr]
+    assert set(json.loads(call.function.arguments)) == {"country"}  # type: ignore[union-attr]
+
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=48,
+        messages=QUESTION,  # type: ignore[arg-type]
+        tools=[{"name": "lookup_capital", "input_schema": LOOKUP["function"]["parameters"]}],  # type: ignore[index]
+        tool_choice={"type": "tool", "name": "lookup_capital", "disable_parallel_tool_use": True},
+        extra_body=GREEDY,
+    )
+    assert message.stop_reason == "tool_use"
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert [use.name for use in uses] == ["lookup_capital"] and set(uses[0].input) == {"country"}  # type: ignore[arg-type]
+
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 40}},
+        "required": ["capital"],
+    }
+    answered = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},
+        max_completion_tokens=48,
+        **GREEDY,
+    )
+    assert answered.choices[0].finish_reason == "stop"
+    assert set(json.loads(answered.choices[0].message.content or "")) == {"capital"}
