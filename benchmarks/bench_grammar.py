@@ -168,6 +168,17 @@ def bench_corpus(limit: int) -> dict[str, Any]:
     }
 
 
+def functions_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """A BFCL entry's functions: name -> parameter schema, from its properties (one function, or a
+    parallel call's several), the branches of an anyOf (a choice of functions) or an array's items."""
+    found: dict[str, Any] = dict(schema.get("properties", {}))
+    for branch in schema.get("anyOf", []) + schema.get("oneOf", []):
+        found.update(functions_of(branch))
+    if isinstance(schema.get("items"), dict):
+        found.update(functions_of(schema["items"]))
+    return found
+
+
 def bench_calls(limit: int, max_tokens: int) -> dict[str, Any]:
     import jsonschema
     from pydantic import ValidationError
@@ -189,7 +200,7 @@ def bench_calls(limit: int, max_tokens: int) -> dict[str, Any]:
         entries = [entry for line in lines if (entry := json.loads(line))["subset"].startswith("BFCL")]
     spread = entries[:: max(1, len(entries) // limit)][:limit]  # every subset, in its share
     for entry in spread:
-        functions = entry["schema"].get("properties", {})
+        functions = functions_of(entry["schema"])
         tools = [
             {"type": "function", "function": {"name": name, "parameters": schema}}
             for name, schema in functions.items()
