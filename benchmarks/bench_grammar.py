@@ -116,7 +116,7 @@ def bench_corpus(limit: int) -> dict[str, Any]:
     import llguidance
     import llguidance.numpy as llnumpy
 
-    from engine.core.params import JSON_WHITESPACE
+    from engine.batch.grammar import json_schema_grammar
     from engine.models.load import load_model
 
     _, tokenizer = load_model()
@@ -131,10 +131,8 @@ def bench_corpus(limit: int) -> dict[str, Any]:
                 break
             entry = json.loads(line)
             schema = entry["schema"]
-            if isinstance(schema, dict) and "x-guidance" not in schema:
-                schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
             started = time.perf_counter()
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            grammar = json_schema_grammar(schema)
             problem = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
             compile_s.append(time.perf_counter() - started)
             if problem:

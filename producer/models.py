@@ -380,7 +380,7 @@ class GenerationRequest(BaseModel):
             return
         offered = [tool.function.name for tool in self.tools or ()]
         if not offered:
-            raise ValueError(f"tool_choice {_choice_text(choice)} needs tools")
+            raise ValueError(f"tool_choice {tool_choice_text(choice)} needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in offered:
             raise ValueError(
                 f"tool_choice names {choice.function.name!r}, which is not among the tools offered "
@@ -414,7 +414,8 @@ _LEFT_OUT_AT_DEFAULT = (
 )
 
 
-def _choice_text(choice: ToolChoice) -> str:
+def tool_choice_text(choice: ToolChoice) -> str:
+    """A tool_choice as error messages name it: 'required', function 'f'."""
     return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 

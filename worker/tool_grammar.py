@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.core.params import JSON_WHITESPACE, OutputGrammar
-from producer.models import GenerationRequest, NamedToolChoice
+from engine.core.params import OutputGrammar, with_json_whitespace
+from producer.models import GenerationRequest, NamedToolChoice, tool_choice_text
 from worker.agent_output import OutputSplitter
 from worker.jobs import JobRejected
 
@@ -34,29 +34,29 @@ def forced_tool_calls(
         return None
     if output is None or output.tool_markers is None or output.tool_parser is None:
         raise JobRejected("invalid request: this model's chat template declares no tool calling")
+    named = tool_choice_text(choice)
     parser = getattr(output.tool_parser, "__module__", "").rsplit(".", 1)[-1]
     if output.tool_markers != JSON_TOOL_MARKERS or parser != "json_tools":
         raise JobRejected(
-            f"invalid request: tool_choice {_choice_text(request)} is enforced for templates whose tool "
+            f"invalid request: tool_choice {named} is enforced for templates whose tool "
             "calls are JSON between <tool_call> markers (mlx-lm's json_tools parser); this model's is "
             f"{parser or 'unknown'}: send tool_choice 'auto'"
         )
     if request.response_format is not None and request.response_format.type != "text":
         raise JobRejected(
-            f"invalid request: tool_choice {_choice_text(request)} makes the answer a tool call, "
+            f"invalid request: tool_choice {named} makes the answer a tool call, "
             "so response_format cannot also hold it: leave one out"
         )
     offered = [tool.function for tool in request.tools or ()]
     if isinstance(choice, NamedToolChoice):
         offered = [function for function in offered if function.name == choice.function.name]
-    calls = {
-        "anyOf": [_call_schema(function.name, function.parameters) for function in offered],
-        "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
-    }
+    calls = with_json_whitespace(
+        {"anyOf": [_call_schema(function.name, function.parameters) for function in offered]}
+    )
     start, end = (_marker(tokenizer, marker) for marker in JSON_TOOL_MARKERS)
     repeat = "" if request.parallel_tool_calls is False else " (GAP call)*"
     lark = f"start: call{repeat}\ncall: {start} GAP? %json {json.dumps(calls)} GAP? {end}\nGAP: {_GAP}\n"
-    return OutputGrammar("lark", lark, f"tool_choice {_choice_text(request)}")
+    return OutputGrammar("lark", lark, f"tool_choice {named}")
 
 
 def _marker(tokenizer: Any, text: str) -> str:
@@ -74,8 +74,3 @@ def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
-
-
-def _choice_text(request: GenerationRequest) -> str:
-    choice = request.tool_choice
-    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"  # type: ignore[union-attr]

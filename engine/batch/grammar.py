@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.core.errors import InvalidRequestError
-from engine.core.params import JSON_WHITESPACE, OutputGrammar
+from engine.core.params import OutputGrammar, with_json_whitespace
 
 _COMPILED_KEPT = 64
 
@@ -88,13 +88,16 @@ def _grammar_text(grammar: OutputGrammar) -> str:
             schema = json.loads(grammar.source)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"the {grammar.what} is not JSON: {exc}") from None
-        if isinstance(schema, dict) and "x-guidance" not in schema:
-            schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
         try:
-            return str(llguidance.LLMatcher.grammar_from_json_schema(schema))
+            return json_schema_grammar(schema)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"the {grammar.what} cannot be enforced: {exc}") from None
     return str(llguidance.grammar_from("lark", grammar.source))
+
+
+def json_schema_grammar(schema: Any) -> str:
+    """llguidance's grammar for a JSON schema, with kvrq's whitespace rule."""
+    return str(llguidance.LLMatcher.grammar_from_json_schema(with_json_whitespace(schema)))
 
 
 class GrammarProcessor:
@@ -120,6 +123,7 @@ class GrammarProcessor:
         self._grammar_vocab = min(grammar_vocab, vocab_size)
         self._stop_ids = np.array(sorted(t for t in stop_token_ids if t < vocab_size), dtype=np.int64)
         self._bitmask = llnumpy.allocate_token_bitmask(1, grammar_vocab)
+        self._allowed_row = np.zeros((1, vocab_size), dtype=bool)  # refilled each step
         self._prompt_length: int | None = None
         self._consumed = 0  # generated tokens the matcher has taken
         self._reported = 0  # generated tokens ends_row was told of
@@ -152,7 +156,8 @@ class GrammarProcessor:
 
     def _allowed(self) -> np.ndarray:
         """A boolean row over the model's vocabulary; end tokens only where the document may end."""
-        allowed = np.zeros((1, self._vocab_size), dtype=bool)
+        allowed = self._allowed_row
+        allowed[:] = False
         if not self.matcher.is_stopped():
             llnumpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
             bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")

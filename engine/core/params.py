@@ -25,6 +25,13 @@ MAX_TOP_LOGPROBS = 20
 JSON_WHITESPACE = r"([ \t]{0,2}|\n[ \t]{0,24})"
 
 
+def with_json_whitespace(schema: Any) -> Any:
+    """`schema` with kvrq's whitespace rule, unless it sets llguidance's "x-guidance" options itself."""
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    return schema
+
+
 @dataclass(frozen=True)
 class OutputGrammar:
     """What a row's output must match, enforced token by token (engine/batch/grammar.py).
