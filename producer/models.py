@@ -246,15 +246,38 @@ def _check_json(value: Any, what: str, limit: int = MAX_METADATA_BYTES) -> None:
         raise ValueError(f"{what} is {len(encoded)} bytes as JSON, the limit is {limit}")
 
 
+NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
 class GenerationRequest(BaseModel):
     """One generation job. Exactly one of `prompt` (raw text) or `messages` (chat) is given."""
 
-    model_config = ConfigDict(extra="forbid")
+    # `continue` is a Python keyword: the field is `continue_`, "continue" on the wire.
+    model_config = ConfigDict(
+        extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
 
     agent_id: str | None = Field(
         default=None,
         description="resume from and save to this agent's KV cache; None for a one-off job "
         "(the rule: producer.protocol.agent_id_problem)",
+    )
+    continue_: bool = Field(
+        default=False,
+        alias="continue",
+        description="append `messages` to the agent's stored conversation and resume it (needs agent_id); "
+        "the first such job of an agent starts its conversation",
+    )
+    fork_from: str | None = Field(
+        default=None,
+        description="start agent_id as a copy of this agent's conversation and KV (blocks shared, "
+        "not copied), then append `messages`; agent_id must not have a conversation yet",
+    )
+    namespace: str | None = Field(
+        default=None,
+        pattern=NAMESPACE_PATTERN,
+        description="narrows the worker's namespace (the tenant whose shared prefixes this job may reuse "
+        "and feed): the job's reuse stays inside <worker namespace>/<namespace>; never wider",
     )
     prompt: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
@@ -302,7 +325,7 @@ class GenerationRequest(BaseModel):
     )
     retries: int = Field(default=0, ge=0, le=100, description="re-runs after a failure or a worker crash")
 
-    @field_validator("agent_id")
+    @field_validator("agent_id", "fork_from")
     @classmethod
     def _agent_id_is_safe(cls, value: str | None) -> str | None:
         problem = None if value is None else agent_id_problem(value)
@@ -372,7 +395,24 @@ class GenerationRequest(BaseModel):
                 "tools and chat_template_kwargs go with 'messages' (a chat template renders them)"
             )
         self._check_tool_choice()
+        self._check_memory()
         return self
+
+    def _check_memory(self) -> None:
+        if not (self.continue_ or self.fork_from):
+            return
+        what = "continue" if self.continue_ else "fork_from"
+        if self.agent_id is None:
+            raise ValueError(f"{what} needs an agent_id: the agent whose conversation the job extends")
+        if self.messages is None:
+            raise ValueError(f"{what} appends chat messages to a conversation: send 'messages', not 'prompt'")
+        if self.fork_from is not None and self.fork_from == self.agent_id:
+            raise ValueError(f"an agent cannot fork from itself: fork_from is agent_id {self.agent_id!r}")
+
+    @property
+    def extends_conversation(self) -> bool:
+        """The job's messages go after a stored conversation (its agent's, or fork_from's)."""
+        return self.continue_ or self.fork_from is not None
 
     def _check_tool_choice(self) -> None:
         choice = self.tool_choice
@@ -398,9 +438,11 @@ class GenerationRequest(BaseModel):
         Options at their neutral default are left out too, so a plain request's payload reads as before.
         """
         payload = self.model_dump(mode="json", exclude=set(QUEUE_OPTION_FIELDS), exclude_none=True)
+        fields = type(self).model_fields
         for name in _LEFT_OUT_AT_DEFAULT:
-            if name in payload and payload[name] == type(self).model_fields[name].default:
-                del payload[name]
+            key = fields[name].alias or name
+            if key in payload and payload[key] == fields[name].default:
+                del payload[key]
         return payload
 
 
@@ -411,6 +453,7 @@ _LEFT_OUT_AT_DEFAULT = (
     "presence_penalty",
     "frequency_penalty",
     "logprobs",
+    "continue_",
 )
 
 

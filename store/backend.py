@@ -338,7 +338,7 @@ class BlockBackend(ABC):
         blocks = [decode_block(b, ref, manifest, crc=c) for (b, c), ref in zip(present, refs, strict=True)]
         self._stats.add("bytes_read", len(blob) + sum(ref.nbytes for ref in refs))
         covered = sum(ref.n_tokens for ref in refs)
-        cache = AgentCache(self.spec, manifest.token_ids[:covered].tolist(), blocks)
+        cache = AgentCache(self.spec, manifest.token_ids[:covered].tolist(), blocks, manifest.conversation)
         if n_tokens < covered:
             cache = cache.truncated(n_tokens)
         try:
@@ -425,6 +425,7 @@ class BlockBackend(ABC):
             fence=fence,
             part_bytes=self.part_bytes,
             namespace=self.namespace,
+            conversation=cache.conversation,
         )
         return WritePlan(draft, slots)
 

@@ -10,6 +10,7 @@ caught before any block is read.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -35,8 +36,10 @@ FORMAT_NAME = "kvrq-agent-cache"
 # Version 4: full blocks are shared by the agents of a namespace (names `<share>.<crc32>`, stored where
 # every agent finds them: Redis `<prefix>s:<name>`, disk `shared/` plus a hard link per agent); a
 # version-3 reader would look for them under the agent and delete the cache as damaged.
-FORMAT_VERSION_NUMBER = 4
-READABLE_VERSIONS = ("1", "2", "3", "4")
+# Version 5: a manifest may carry a second tensor, `conversation` (uint8: the worker's JSON record of the
+# agent's messages, written with its KV as one unit); a version-4 reader would call it damaged.
+FORMAT_VERSION_NUMBER = 5
+READABLE_VERSIONS = ("1", "2", "3", "4", "5")
 BLOCK_FORMAT_VERSION = 1
 
 
@@ -64,6 +67,7 @@ class Manifest:
     fence: int = 0  # the writer's fencing token: a put with a lower one is dropped as stale
     part_bytes: int = 0  # blocks are stored as values of at most this many bytes; 0: one value per block
     namespace: str = ""  # the writing store's namespace, whose shared area holds its full blocks
+    conversation: bytes | None = None  # opaque to the store (AgentCache.conversation)
 
     @property
     def n_tokens(self) -> int:
@@ -163,8 +167,13 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "namespace": manifest.namespace,
         "tokens_crc32": str(zlib.crc32(tokens.data)),
     }
+    tensors = [("token_ids", "I64", tokens)]
+    if manifest.conversation is not None:
+        conversation = np.frombuffer(manifest.conversation, dtype=np.uint8)
+        metadata["conversation_crc32"] = str(zlib.crc32(manifest.conversation))
+        tensors.append(("conversation", "U8", conversation))
     metadata["checksum"] = str(_metadata_checksum(metadata))
-    header, buffers = encode([("token_ids", "I64", tokens)], metadata)
+    header, buffers = encode(tensors, metadata)
     return b"".join([header, *buffers])
 
 
@@ -206,11 +215,12 @@ def decode_manifest(blob: bytes | bytearray | memoryview, agent_id: str, spec: M
     """
     metadata, entries, data_start = _checked_header(blob)
     entry = entries.get("token_ids")
-    if entry is None or len(entries) != 1 or entry.dtype != "I64" or len(entry.shape) != 1:
+    if entry is None or entry.dtype != "I64" or len(entry.shape) != 1:
         raise BadCacheError(BAD_MANIFEST, "manifest has no int64 token_ids vector")
     tokens = view(blob, entry, data_start)
     if str(zlib.crc32(tokens.data)) != metadata.get("tokens_crc32"):
         raise BadCacheError(BAD_MANIFEST, "token ids fail their checksum")
+    conversation = _conversation(blob, entries, data_start, metadata)
     if metadata.get("agent_id") != agent_id:
         raise BadCacheError(AGENT_MISMATCH, f"manifest belongs to agent {metadata.get('agent_id')!r}")
     if metadata.get("fingerprint") != spec_fingerprint(spec):
@@ -220,9 +230,30 @@ def decode_manifest(blob: bytes | bytearray | memoryview, agent_id: str, spec: M
             f"this store serves {spec.model_name!r} spec {spec_fingerprint(spec)}",
         )
     try:
-        return _build(metadata, tokens, agent_id, spec)
+        return dataclasses.replace(_build(metadata, tokens, agent_id, spec), conversation=conversation)
     except (KeyError, TypeError, ValueError) as exc:
         raise BadCacheError(BAD_MANIFEST, f"manifest fields are inconsistent: {exc}") from None
+
+
+def _conversation(
+    blob: bytes | bytearray | memoryview,
+    entries: dict[str, TensorEntry],
+    data_start: int,
+    metadata: dict[str, str],
+) -> bytes | None:
+    """The manifest's conversation bytes (None when it has none), checked against their CRC-32."""
+    extra = set(entries) - {"token_ids", "conversation"}
+    if extra:
+        raise BadCacheError(BAD_MANIFEST, f"manifest has unexpected tensors {sorted(extra)}")
+    entry = entries.get("conversation")
+    if entry is None:
+        return None
+    if entry.dtype != "U8" or len(entry.shape) != 1:
+        raise BadCacheError(BAD_MANIFEST, "manifest's conversation is not a byte vector")
+    data = view(blob, entry, data_start).tobytes()
+    if str(zlib.crc32(data)) != metadata.get("conversation_crc32"):
+        raise BadCacheError(BAD_MANIFEST, "the conversation fails its checksum")
+    return data
 
 
 def _build(metadata: dict[str, str], tokens: np.ndarray, agent_id: str, spec: ModelCacheSpec) -> Manifest:

@@ -28,11 +28,45 @@ NUMPY_STORAGE_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16":
 
 
 @dataclass(frozen=True)
+class QuantParts:
+    """What a quantized block holds besides its packed K/V (engine/kv/quant.py): per layer, the
+    per-group scales and biases, (n_kv_heads, tokens, head_dim / group_size) in storage dtype."""
+
+    bits: int
+    group_size: int
+    key_scales: tuple[np.ndarray, ...]
+    key_biases: tuple[np.ndarray, ...]
+    value_scales: tuple[np.ndarray, ...]
+    value_biases: tuple[np.ndarray, ...]
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return [*self.key_scales, *self.key_biases, *self.value_scales, *self.value_biases]
+
+    def sliced(self, keep: int) -> QuantParts:
+        """The parts of the first `keep` tokens (views)."""
+
+        def cut(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+            return tuple(a[:, :keep] for a in arrays)
+
+        return QuantParts(
+            self.bits,
+            self.group_size,
+            cut(self.key_scales),
+            cut(self.key_biases),
+            cut(self.value_scales),
+            cut(self.value_biases),
+        )
+
+
+@dataclass(frozen=True)
 class KVBlock:
     keys: tuple[np.ndarray, ...]  # one (n_kv_heads, tokens held, k_head_dim) array per KV layer
     values: tuple[np.ndarray, ...]
     states: tuple[tuple[np.ndarray, ...], ...] = ()  # a checkpoint: per state layer, its arrays; () = none
     tokens: int | None = None  # the block's token count where keys[0] cannot tell (sliding or no KV layer)
+    # Quantized (full attention only): keys/values are then packed uint32, (heads, tokens, dim * bits / 32)
+    quant: QuantParts | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -41,6 +75,8 @@ class KVBlock:
     @property
     def nbytes(self) -> int:
         arrays = [*self.keys, *self.values, *(a for state in self.states for a in state)]
+        if self.quant is not None:
+            arrays += self.quant.arrays
         return sum(a.nbytes for a in arrays)
 
     def layout(self) -> str:
@@ -57,11 +93,14 @@ class AgentCache:
     """An agent's saved KV: the token ids it covers and their blocks, in order.
 
     Every block but the last is full (block_tokens tokens); the last may be partial.
+    `conversation` is opaque here: what the worker records about the agent beside its KV (its chat
+    messages), carried along so the store writes both as one unit.
     """
 
     spec: ModelCacheSpec
     token_ids: list[int]
     blocks: list[KVBlock] = field(default_factory=list)
+    conversation: bytes | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -70,6 +109,12 @@ class AgentCache:
     @property
     def nbytes(self) -> int:
         return sum(block.nbytes for block in self.blocks)
+
+    @property
+    def quantization(self) -> tuple[int, int] | None:
+        """(bits, group size) when its blocks hold K/V quantized, None at full precision."""
+        quant = self.blocks[0].quant if self.blocks else None
+        return None if quant is None else (quant.bits, quant.group_size)
 
     def validate(self, spec: ModelCacheSpec) -> None:
         """Raise CacheMismatchError unless this cache fits `spec` and is self-consistent."""
@@ -94,7 +139,13 @@ class AgentCache:
                 _validate_layered_block(index, block, spec)
             return
         storage = NUMPY_STORAGE_DTYPE[spec.dtype]
+        if self.quantization is not None:
+            for index, block in enumerate(self.blocks):
+                _validate_quantized_block(index, block, spec, self.quantization)
+            return
         for index, block in enumerate(self.blocks):
+            if block.quant is not None:
+                raise CacheMismatchError(f"block {index} is quantized, the cache's first block is not")
             if len(block.keys) != spec.n_layers or len(block.values) != spec.n_layers:
                 raise CacheMismatchError(f"block {index} has {len(block.keys)} layers, not {spec.n_layers}")
             for k, v in zip(block.keys, block.values, strict=True):
@@ -129,6 +180,7 @@ class AgentCache:
                     KVBlock(
                         keys=tuple(k[:, :keep] for k in block.keys),
                         values=tuple(v[:, :keep] for v in block.values),
+                        quant=None if block.quant is None else block.quant.sliced(keep),
                     )
                 )
             else:
@@ -144,7 +196,7 @@ class AgentCache:
                         tokens=keep,
                     )
                 )
-        return AgentCache(self.spec, list(self.token_ids[:n_tokens]), blocks)
+        return AgentCache(self.spec, list(self.token_ids[:n_tokens]), blocks, self.conversation)
 
     def resume_point(self, n_tokens: int) -> int:
         """The most tokens, at most `n_tokens`, that this cache can resume from exactly.
@@ -181,6 +233,30 @@ class AgentCache:
                     break
             out.append((layer.window, start if self.blocks else 0))
         return out
+
+
+def _validate_quantized_block(
+    index: int, block: KVBlock, spec: ModelCacheSpec, quantization: tuple[int, int]
+) -> None:
+    quant = block.quant
+    if quant is None or (quant.bits, quant.group_size) != quantization:
+        raise CacheMismatchError(f"block {index} is not quantized as the cache's first block is")
+    n, heads, storage = block.n_tokens, spec.n_kv_heads, np.dtype(NUMPY_STORAGE_DTYPE[spec.dtype])
+    groups = [
+        (block.keys, quant.key_scales, quant.key_biases, spec.k_head_dim),
+        (block.values, quant.value_scales, quant.value_biases, spec.v_head_dim),
+    ]
+    for packed, scales, biases, dim in groups:
+        if not len(packed) == len(scales) == len(biases) == spec.n_layers:
+            raise CacheMismatchError(f"block {index} has {len(packed)} quantized layers, not {spec.n_layers}")
+        for p, s, b in zip(packed, scales, biases, strict=True):
+            if p.shape != (heads, n, dim * quant.bits // 32) or p.dtype != np.uint32:
+                raise CacheMismatchError(f"block {index} has packed values of shape {p.shape} ({p.dtype})")
+            for part in (s, b):
+                if part.shape != (heads, n, dim // quant.group_size) or part.dtype != storage:
+                    raise CacheMismatchError(
+                        f"block {index} has scales or biases of shape {part.shape} ({part.dtype})"
+                    )
 
 
 def _validate_layered_block(index: int, block: KVBlock, spec: ModelCacheSpec) -> None:
@@ -241,12 +317,15 @@ class BlockPool:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_megabytes(cls, megabytes: float, spec: ModelCacheSpec) -> BlockPool:
-        blocks = int(megabytes * 1024 * 1024 // spec.bytes_per_block())
+    def from_megabytes(
+        cls, megabytes: float, spec: ModelCacheSpec, bytes_per_block: int | None = None
+    ) -> BlockPool:
+        """As many blocks as `megabytes` holds, each `bytes_per_block` (default: the spec's at
+        full precision; a quantized pool passes its smaller size)."""
+        size = bytes_per_block or spec.bytes_per_block()
+        blocks = int(megabytes * 1024 * 1024 // size)
         if blocks <= 0:
-            raise ValueError(
-                f"{megabytes} MB holds no block of {spec.bytes_per_block()} bytes for {spec.model_name}"
-            )
+            raise ValueError(f"{megabytes} MB holds no block of {size} bytes for {spec.model_name}")
         return cls(blocks)
 
     @property

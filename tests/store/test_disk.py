@@ -30,7 +30,7 @@ def test_files_open_with_the_safetensors_library(tmp_path: Path) -> None:
     with safe_open(str(directory / MANIFEST), framework="numpy") as handle:
         meta = handle.metadata()
     assert meta["fingerprint"] == spec.fingerprint() and meta["quantization"] == "none"
-    assert meta["version"] == "4" and meta["agent_id"] == "a" and meta["part_bytes"] == "0"
+    assert meta["version"] == "5" and meta["agent_id"] == "a" and meta["part_bytes"] == "0"
     for ref, block in zip(manifest.blocks, cache.blocks, strict=True):
         tensors = load_file(directory / "blocks" / f"{ref.name}.safetensors")
         assert set(tensors) == {f"L{i}.{kind}" for i in range(spec.n_layers) for kind in "kv"}
