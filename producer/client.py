@@ -21,6 +21,7 @@ from rq.results import Result
 from rq.serializers import resolve_serializer
 
 from producer import liveness
+from producer.conversation import read_conversation
 from producer.liveness import job_wait_detail, no_worker_line, unheard_queue
 from producer.models import GenerationRequest, GenerationResult
 from producer.protocol import (
@@ -381,6 +382,12 @@ class Producer:
 
     def handle(self, job_id: str) -> JobHandle:
         return JobHandle(self.connection, job_id)
+
+    def conversation(self, agent_id: str) -> list[dict[str, Any]] | None:
+        """The agent's messages as of its last finished chat job (OpenAI's chat shape, its answers
+        included), or None when it has none: what a `continue` job appends to."""
+        record = read_conversation(self.connection, agent_id)
+        return None if record is None else record.message_dicts()
 
     def submit(
         self, request: GenerationRequest | Mapping[str, Any], *, job_id: str | None = None

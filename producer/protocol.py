@@ -215,6 +215,11 @@ def agent_jobs_key(agent_id: str) -> str:
     return f"{_PREFIX}:agent-jobs:{agent_id}"
 
 
+def agent_conversation_key(agent_id: str) -> str:
+    """The agent's conversation record as of its last finished turn (producer/conversation.py)."""
+    return f"{_PREFIX}:agent-conversation:{agent_id}"
+
+
 def agent_fence_key(agent_id: str) -> str:
     """Counter bumped each time a job takes its agent's turn: the fencing token of that job's cache put."""
     return f"{_PREFIX}:agent-fence:{agent_id}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rq.executions import Execution
 from rq.job import Job
@@ -52,6 +52,12 @@ class HeldJob:
     output: OutputSplitter | None = (
         None  # splits reasoning and tool calls from the answer; None: nothing to split
     )
+    #: A continue / fork job whose prompt waits for its stored conversation (worker/conversations.py);
+    #: `source` reads the cache that conversation came with.
+    extending: bool = False
+    source: Future[AgentCache | None] | None = None
+    stored_messages: int = 0  # of request.messages, those the stored conversation gave (the rest: the job's)
+    result: dict[str, Any] | None = None  # the finished job's result, built once
 
     @property
     def id(self) -> str:

@@ -20,6 +20,7 @@ beacon, and the store's own I/O threads (prefetch, write-behind), which the loop
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -59,7 +60,7 @@ from producer.protocol import (
     ErrorCode,
     cancel_key,
 )
-from worker import rqexec
+from worker import conversations, rqexec
 from worker.affinity import Affinity
 from worker.agent_output import (
     OutputSplitter,
@@ -71,7 +72,7 @@ from worker.agent_output import (
 from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
 from worker.held import HeldJob
-from worker.jobs import JobRejected, checked_sampling, request_from_job
+from worker.jobs import JobRejected, checked_sampling, request_from_job, sampling_of
 from worker.latency import LatencyHistograms
 from worker.liveness import LivenessBeacon
 from worker.logprobs import LogprobFormatter
@@ -90,7 +91,7 @@ from worker.tool_grammar import forced_tool_calls
 if TYPE_CHECKING:
     from engine.core.blocks import AgentCache
     from engine.core.params import SamplingParams
-    from engine.core.results import StepOutput
+    from engine.core.results import Completion, StepOutput
 
 log = logging.getLogger("kvrq.worker")
 
@@ -306,16 +307,24 @@ class WorkerLoop:
             return
         try:
             request = request_from_job(job)
-            tokenizer = self.engine.tokenizer
-            tokens = prompt_tokens(tokenizer, request)
-            output = splitter_for(tokenizer, request, tokens)
-            forced = forced_tool_calls(tokenizer, request, output)
-            sampling = checked_sampling(request, self.engine.check, forced)
-            refuse_grammar_in_reasoning(sampling, output)
+            if request.extends_conversation:  # its prompt waits for the stored conversation (_extend)
+                self._hold(job, queue, request, sampling_of(request), [], None)
+                return
+            tokens, output, sampling = self._prepare(request)
         except (JobRejected, PromptError) as exc:
             self._reject(job, queue, f"{type(exc).__name__}: {exc}")
             return
         self._hold(job, queue, request, sampling, tokens, output)
+
+    def _prepare(self, request: GenerationRequest) -> tuple[list[int], OutputSplitter | None, SamplingParams]:
+        """The request's prompt tokens, answer splitter and checked sampling (JobRejected / PromptError)."""
+        tokenizer = self.engine.tokenizer
+        tokens = prompt_tokens(tokenizer, request)
+        output = splitter_for(tokenizer, request, tokens)
+        forced = forced_tool_calls(tokenizer, request, output)
+        sampling = checked_sampling(request, self.engine.check, forced)
+        refuse_grammar_in_reasoning(sampling, output)
+        return tokens, output, sampling
 
     def _reject(self, job: Job, queue: Queue, reason: str) -> None:
         """Fail an invalid job at once (no retry: it would fail the same way), recorded as an execution."""
@@ -351,6 +360,7 @@ class WorkerLoop:
             enqueued_at=enqueued,
             first_enqueued_at=first,
             held_at=time.monotonic(),
+            extending=request.extends_conversation,
         )
         self.scheduler.add(held)  # held from here on: an outage below cannot orphan it
         if held.agent_id is not None:
@@ -377,7 +387,7 @@ class WorkerLoop:
 
     def _ready(self, held: HeldJob) -> bool:
         """Take the agent's turn and start reading its cache; True once both are done (no I/O wait)."""
-        if held.agent_id is None or self.store is None:
+        if held.agent_id is None or (self.store is None and not held.extending):
             return True
         if held.fence is None:
             held.fence = self.turns.take(
@@ -386,12 +396,43 @@ class WorkerLoop:
             if held.fence is None:
                 self._waiting(held, "its agent's turn (an earlier job of the agent runs first)")
                 return False
+        if held.extending:
+            return self._extend(held)
         if held.cache is None:
             held.cache = self._prefetch(held.agent_id, held.prompt_tokens, held.fence)
         if not held.cache.done():
             self._waiting(held, "its agent's cache (reading)")
             return False
         return True
+
+    def _extend(self, held: HeldJob) -> bool:
+        """A continue / fork job with its turn: once its source is read, render the whole conversation
+        and become an ordinary job (True when it may be submitted now)."""
+        if held.source is None:
+            held.source = conversations.start_read(self.store, held.request, held.fence)
+        if not held.source.done():
+            self._waiting(held, "its agent's conversation (reading)")
+            return False
+        source = self._prefetched(held, held.source)
+        try:
+            request, _stored = conversations.resolve(self.connection, held.request, source, held.id)
+            tokens, output, sampling = self._prepare(request)
+        except (JobRejected, PromptError) as exc:
+            self.end(held, Failed(ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}", retry=False))
+            return False
+        verdict = self.engine.admission(len(tokens), sampling.max_tokens)
+        if verdict.verdict == "never":
+            reason = conversations.context_message(held.request, len(tokens), verdict.reason)
+            self.end(held, Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, reason, retry=False))
+            return False
+        held.stored_messages = len(request.messages or ()) - len(held.request.messages or ())
+        held.request, held.prompt_tokens, held.output = request, tokens, output
+        held.sampling = stop_after_one_call(sampling, output, request)
+        held.cache = Future()
+        held.cache.set_result(conversations.reusable_part(source, tokens))
+        held.extending = False
+        self.publisher.progress(held.job, prompt_tokens=len(tokens))
+        return verdict.verdict == "now"
 
     def _prefetch(self, agent_id: str, prompt_tokens: list[int], fence: int) -> Future[AgentCache | None]:
         """The store's read of the agent's cache, as new as its turn (`fence`) needs; a store that
@@ -457,17 +498,19 @@ class WorkerLoop:
         )
 
     def _prefetched_cache(self, held: HeldJob) -> AgentCache | None:
-        if held.cache is None:
-            return None
+        return None if held.cache is None else self._prefetched(held, held.cache)
+
+    def _prefetched(self, held: HeldJob, read: Future[AgentCache | None]) -> AgentCache | None:
+        """A store read's cache; a failed read is a counted miss (the job prefills instead)."""
         started = time.perf_counter()
         try:
-            return held.cache.result()
+            return read.result()
         except Exception:
             log.exception("job %s: reading agent %s's cache failed: prefilling", held.id, held.agent_id)
             self.counts["cache_read_failed"] += 1
             return None
         finally:
-            held.cache_load_s = time.perf_counter() - started
+            held.cache_load_s += time.perf_counter() - started
 
     # ---- engine output -----------------------------------------------------------------
 
@@ -573,12 +616,16 @@ class WorkerLoop:
         self._log_ending(held, outcome)
 
     def _save_cache(self, held: HeldJob, outcome: Outcome) -> None:
-        if not isinstance(outcome, Finished) or held.agent_id is None or self.store is None:
+        if not isinstance(outcome, Finished) or held.agent_id is None:
             return
+        result = self._result(held, outcome.completion)
+        own = len(held.request.messages or ()) - held.stored_messages
+        conversation = conversations.record(self.connection, held.request, own, result, held.fence)
         cache = outcome.completion.cache
-        if cache is None:
+        if cache is None or self.store is None:
             return
         try:
+            cache = dataclasses.replace(cache, conversation=conversation)
             self.saving.append((held, self.store.put(held.agent_id, cache, fence=held.fence)))
             if self.settings.store_hot_mb > 0:
                 self.affinity.record_home(held.agent_id)
@@ -615,13 +662,7 @@ class WorkerLoop:
         """The rq side of an ending; False when the job turned out to be no longer ours."""
         if isinstance(outcome, Finished):
             assert held is not None
-            result = build_result(
-                held,
-                outcome.completion,
-                model=self.model_name,
-                worker=self.worker.name,
-                logprobs=self.logprob_format,
-            )
+            result = self._result(held, outcome.completion)
             return rqexec.finish_job(self.worker, job, queue, execution, result)
         if isinstance(outcome, Failed):
             rqexec.fail_job(
@@ -643,6 +684,14 @@ class WorkerLoop:
         else:
             rqexec.drop_execution(self.worker, job, execution)
         return True
+
+    def _result(self, held: HeldJob, completion: Completion) -> dict[str, Any]:
+        """The job's result, built once (the conversation record and rq both use it)."""
+        if held.result is None:
+            held.result = build_result(
+                held, completion, model=self.model_name, worker=self.worker.name, logprobs=self.logprob_format
+            )
+        return held.result
 
     def _end_turn(self, held: HeldJob, outcome: Outcome) -> None:
         """Leave the agent's line unless the job runs again; free its lock unless its put is pending."""

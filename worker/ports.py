@@ -54,9 +54,10 @@ class Engine(Protocol):
 
 class Store(Protocol):
     def prefetch(
-        self, agent_id: str, *, prompt_tokens: Sequence[int], fence: int | None = None
+        self, agent_id: str, *, prompt_tokens: Sequence[int] | None, fence: int | None = None
     ) -> Future[AgentCache | None]:
-        """The agent's cache (prefix shared with the prompt), read and decoded off the caller's thread;
+        """The agent's cache (prefix shared with the prompt; all of it without one), read and decoded off
+        the caller's thread;
         with `fence` (the caller's turn), never one older than the previous turn wrote."""
         ...
 
