@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.core.blocks import KVBlock
+from engine.core.blocks import KVBlock, QuantParts
 from engine.core.spec import ModelCacheSpec
+from engine.kv.quantized import dequantize_block
 from store import layered_codec, quant
 from store.checksum import crc32
 from store.errors import BAD_BLOCK, CHECKSUM, TRUNCATED, BadCacheError
@@ -69,12 +70,27 @@ def encode_block(block: KVBlock, spec: ModelCacheSpec, quantization: str, group_
     if not spec.all_full_attention:  # sliding windows, per-layer shapes, SSM checkpoints
         tensors, extra = layered_codec.encode_layered(block, spec, quantization, group_size)
         metadata.update(extra)
+    elif block.quant is not None and (block.quant.bits, block.quant.group_size) == (
+        quant.QUANT_BITS.get(quantization),
+        group_size,
+    ):  # a block of a pool quantized as this store is: written as it is
+        parts = block.quant
+        for layer in range(spec.n_layers):
+            for kind, stored, stored_scales, stored_biases in (
+                ("k", block.keys, parts.key_scales, parts.key_biases),
+                ("v", block.values, parts.value_scales, parts.value_biases),
+            ):
+                tensors.append((f"L{layer}.{kind}.q", "U32", np.ascontiguousarray(stored[layer])))
+                tensors.append((f"L{layer}.{kind}.scales", dtype, np.ascontiguousarray(stored_scales[layer])))
+                tensors.append((f"L{layer}.{kind}.biases", dtype, np.ascontiguousarray(stored_biases[layer])))
     elif quantization == "none":
+        block = dequantize_block(block, spec)
         for layer, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
             tensors.append((f"L{layer}.k", dtype, np.ascontiguousarray(k)))
             tensors.append((f"L{layer}.v", dtype, np.ascontiguousarray(v)))
     else:
         bits = quant.QUANT_BITS[quantization]
+        block = dequantize_block(block, spec)  # a block of a pool quantized otherwise: converted once
         quantized = {
             kind: quant.quantize(np.stack(arrays), spec.dtype, bits, group_size)
             for kind, arrays in (("k", block.keys), ("v", block.values))
@@ -132,16 +148,24 @@ def decode_block(
         keys = tuple(view(blob, entries[f"L{i}.k"], data_start) for i in range(spec.n_layers))
         values = tuple(view(blob, entries[f"L{i}.v"], data_start) for i in range(spec.n_layers))
         return KVBlock(keys=keys, values=values)
-    bits = quant.QUANT_BITS[manifest.quantization]
-    out: dict[str, tuple[np.ndarray, ...]] = {}
-    for kind in ("k", "v"):
-        stacked = [
-            np.stack([view(blob, entries[f"L{i}.{kind}.{part}"], data_start) for i in range(spec.n_layers)])
-            for part in ("q", "scales", "biases")
-        ]
-        full = quant.dequantize(stacked[0], stacked[1], stacked[2], spec.dtype, bits, manifest.group_size)
-        out[kind] = tuple(full[i] for i in range(spec.n_layers))
-    return KVBlock(keys=out["k"], values=out["v"])
+    # Quantized blocks come back as they are stored (views): a pool quantized the same way takes
+    # them as they are, any other converts the agent's cache once (engine/kv/quantized.py).
+    parts = {
+        (kind, part): tuple(
+            view(blob, entries[f"L{i}.{kind}.{part}"], data_start) for i in range(spec.n_layers)
+        )
+        for kind in ("k", "v")
+        for part in ("q", "scales", "biases")
+    }
+    quant_parts = QuantParts(
+        quant.QUANT_BITS[manifest.quantization],
+        manifest.group_size,
+        parts["k", "scales"],
+        parts["k", "biases"],
+        parts["v", "scales"],
+        parts["v", "biases"],
+    )
+    return KVBlock(keys=parts["k", "q"], values=parts["v", "q"], quant=quant_parts)
 
 
 def _expected_tensors(

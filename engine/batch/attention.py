@@ -30,3 +30,39 @@ def fused_attention(calls: list[AttentionCall], scale: float, sinks: mx.array | 
     """Each call's attention output by `mx.fast.scaled_dot_product_attention`, in order."""
     fused = mx.fast.scaled_dot_product_attention
     return [fused(c.queries, c.keys, c.values, scale=scale, mask=c.mask, sinks=sinks) for c in calls]
+
+
+QuantizedParts = tuple[mx.array, mx.array, mx.array]  # packed uint32, scales, biases
+
+
+@dataclass(frozen=True)
+class QuantizedCall:
+    """A row's attention over K/V held quantized (a pool with kv_bits): (1, kv_heads, keys, ...) parts."""
+
+    queries: mx.array  # (batch, heads, queries, dim)
+    keys: QuantizedParts
+    values: QuantizedParts
+    bits: int
+    group_size: int
+    mask: str | None = None  # "causal" (the queries are the last keys' tokens) or None
+
+
+def quantized_attention(calls: list[QuantizedCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
+    """Each call's attention output by quantized matmuls (mlx-lm's quantized attention): the K/V
+    are read packed, never dequantized into a buffer; the same on every device."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    if sinks is not None:
+        raise ValueError("attention sinks are not supported over quantized K/V")
+    return [
+        quantized_scaled_dot_product_attention(
+            c.queries,
+            c.keys,
+            c.values,
+            scale=scale,
+            mask=c.mask,  # type: ignore[arg-type]  # it takes "causal" too
+            group_size=c.group_size,
+            bits=c.bits,
+        )
+        for c in calls
+    ]

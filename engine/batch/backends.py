@@ -26,6 +26,8 @@ from engine.core.spec import ModelCacheSpec
 from engine.kv.arena import KVArena
 from engine.kv.buffers import round_up
 from engine.kv.convert import blocks_to_caches
+from engine.kv.quant import KVQuant
+from engine.kv.quantized import blocks_to_quantized_caches, empty_quantized_caches
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,22 @@ class Backend(Protocol):
 
 class RaggedBackend:
     def __init__(
-        self, model: Any, spec: ModelCacheSpec, arena: KVArena, *, prefill_tokens_per_step: int
+        self,
+        model: Any,
+        spec: ModelCacheSpec,
+        arena: KVArena,
+        *,
+        prefill_tokens_per_step: int,
+        kv_quant: KVQuant | None = None,
     ) -> None:
-        self.generator = RaggedBatchGenerator(model, prefill_tokens_per_step=prefill_tokens_per_step)
+        """`kv_quant`: rows keep their K/V quantized (engine/kv/quantized.py); the arena and the
+        ShortSlots, which hold full-precision buffers, are then not used."""
+        self.generator = RaggedBatchGenerator(
+            model, prefill_tokens_per_step=prefill_tokens_per_step, short_slots=kv_quant is None
+        )
         self.spec = spec
         self.arena = arena
+        self.kv_quant = kv_quant
 
     def insert(
         self,
@@ -97,7 +110,12 @@ class RaggedBackend:
     ) -> int:
         # Room for the prompt and a block of output; longer outputs grow 256 tokens at a time.
         capacity = len(prompt) + min(max_tokens, self.spec.block_tokens)
-        if cache is not None and reused > 0:
+        if self.kv_quant is not None:
+            if cache is not None and reused > 0:
+                layers = blocks_to_quantized_caches(cache, reused, self.kv_quant, capacity)
+            else:
+                layers = empty_quantized_caches(self.spec, self.kv_quant, capacity)
+        elif cache is not None and reused > 0:
             layers = blocks_to_caches(cache, reused, capacity=capacity, arena=self.arena)
         else:
             layers = self._empty_layers(capacity)
@@ -136,6 +154,8 @@ class RaggedBackend:
         return None
 
     def release(self, kv: FinishedKV) -> None:
+        if self.kv_quant is not None:
+            return  # quantized buffers are not the arena's kind: MLX's allocator keeps them
         buffers = [(layer.keys, layer.values) for layer in kv.layers]
         if all(
             k is not None and k.shape[2] == round_up(k.shape[2], self.spec.block_tokens) for k, _ in buffers

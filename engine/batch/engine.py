@@ -41,6 +41,13 @@ from engine.kv.convert import (
     yield_to_the_step,
 )
 from engine.kv.host_slab import BlockSlab
+from engine.kv.quant import kv_quant
+from engine.kv.quantized import (
+    convert_cache,
+    copy_quantized_into_blocks,
+    quantized_bytes_per_block,
+    quantized_host_layers,
+)
 from engine.models.cache_layout import spec_from_model
 
 DEFAULT_POOL_MB = 2048
@@ -87,21 +94,32 @@ class BlockPoolBatchEngine:
         max_context: int | None = None,
         prefill_tokens_per_step: int = 256,
         ragged: bool | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
     ) -> None:
         """`prefill_tokens_per_step` bounds the prompt tokens run between two decode steps
         (the ragged batch); `ragged=None` uses the ragged batch wherever it is supported,
-        False forces mlx-lm's BatchGenerator (`prefill_step_size` is its chunk)."""
+        False forces mlx-lm's BatchGenerator (`prefill_step_size` is its chunk).
+
+        `kv_bits` (8 or 4; `kv_group_size` 32, 64 or 128, default 64) keeps running K/V and
+        finished blocks quantized (engine/kv/quantized.py), and the pool's budget counts
+        quantized bytes; the ragged batch only (ValueError elsewhere)."""
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or spec_from_model(model, model_name)
+        self.kv_quant = kv_quant(kv_bits, kv_group_size, (self.spec.k_head_dim, self.spec.v_head_dim))
+        block_bytes = self.spec.bytes_per_block()
+        if self.kv_quant is not None:
+            block_bytes = quantized_bytes_per_block(self.spec, self.kv_quant)
         if pool_blocks is not None:
             self.pool = BlockPool(pool_blocks)
         else:
-            self.pool = BlockPool.from_megabytes(pool_mb or DEFAULT_POOL_MB, self.spec)
+            self.pool = BlockPool.from_megabytes(pool_mb or DEFAULT_POOL_MB, self.spec, block_bytes)
+        self.block_bytes = block_bytes
         self.max_batch = max_batch
-        pool_bytes = self.pool.total_blocks * self.spec.bytes_per_block()
+        pool_bytes = self.pool.total_blocks * block_bytes
         # Memory kept for reuse instead of freed (fresh pages cost more than the copies into
         # them, engine/kv/convert.py), bounded all together by the pool's own size: half for
         # the arena's idle KV buffers, a quarter each for MLX's allocator cache and the slab's
@@ -117,11 +135,20 @@ class BlockPoolBatchEngine:
         use_ragged = self.spec.all_full_attention and route_attention(model) if ragged is not False else False
         if ragged and not use_ragged:
             raise ValueError(f"{type(model).__module__} cannot run in the ragged batch")
+        if self.kv_quant is not None and not use_ragged:
+            raise ValueError(
+                f"kv_bits needs the ragged batch, which {type(model).__module__} does not run on "
+                "(mlx-lm's BatchGenerator cannot batch quantized caches): leave kv_bits unset"
+            )
         self._backend: Backend
         if use_ragged:
             arena = KVArena(self.spec, max_idle_bytes=pool_bytes // 2)
             self._backend = RaggedBackend(
-                model, self.spec, arena, prefill_tokens_per_step=prefill_tokens_per_step
+                model,
+                self.spec,
+                arena,
+                prefill_tokens_per_step=prefill_tokens_per_step,
+                kv_quant=self.kv_quant,
             )
         elif (
             self.spec.has_state_layers
@@ -201,6 +228,8 @@ class BlockPoolBatchEngine:
         says which beforehand); in every case nothing has changed.
         """
         prompt = self._validate(prompt_tokens, params, cache)
+        if cache is not None:
+            cache = self.pool_precision(cache)
         owner = object()
         self.pool.allocate(owner, self.blocks_needed(len(prompt), params.max_tokens))
         try:
@@ -264,6 +293,12 @@ class BlockPoolBatchEngine:
             cache.validate(self.spec)
         return prompt
 
+    def pool_precision(self, cache: AgentCache) -> AgentCache:
+        """`cache` as this pool holds K/V: converted once (quantized or dequantized) if it was
+        saved at another precision, itself otherwise. submit() calls it; a caller may do it
+        earlier, off the step's thread."""
+        return convert_cache(cache, self.kv_quant)
+
     # ---- stepping --------------------------------------------------------------------
 
     def step(self) -> StepOutput:
@@ -325,6 +360,13 @@ class BlockPoolBatchEngine:
         del self._sequences[seq.uid]
         want_kv = seq.keep_cache and reason != "canceled"
         kv = self._backend.finish(seq.uid, want_kv)
+        if kv is not None and self.kv_quant is not None:
+            quantized = quantized_host_layers(kv.layers, len(kv.tokens))  # MLX calls stay on this thread
+            blocks = self._cutter.submit(
+                copy_quantized_into_blocks, quantized, list(kv.tokens), self.spec, self.kv_quant
+            )
+            self._cuts.append(_Cut(seq, reason, kv, blocks))
+            return None
         if kv is not None and self.spec.all_full_attention:
             host = host_layers(kv.layers, len(kv.tokens), self.spec)  # MLX calls stay on this thread
             blocks = self._cutter.submit(

@@ -39,7 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.batch import acceleration
-from engine.batch.attention import AttentionCall
+from engine.batch.attention import AttentionCall, QuantizedCall, quantized_attention
 from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 from engine.core.params import LogitsProcessor
@@ -112,11 +112,22 @@ class FlatLayerCache:
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         calls = []
+        quantized: list[QuantizedCall] = []  # rows of a pool with kv_bits: their caches hand back packed K/V
         if self.slot_step is not None:
             calls.append(self.slots.attention_call(self.layer, self.slot_step, queries[: self.skip]))
-        for q, (k, v), n in zip(self._runs(queries), self._fetched, self.run_lengths, strict=True):
-            calls.append(AttentionCall(q, k, v, mask=None if n == 1 else "causal"))
-        outputs = acceleration.attend(calls, scale, sinks)
+        runs = zip(self.rows, self._runs(queries), self._fetched, self.run_lengths, strict=True)
+        for row, q, (k, v), n in runs:
+            mask = None if n == 1 else "causal"
+            if isinstance(k, tuple):
+                quantized.append(QuantizedCall(q, k, v, row.bits, row.group_size, mask))
+            else:
+                calls.append(AttentionCall(q, k, v, mask=mask))
+        if calls and quantized:
+            raise RuntimeError("a step mixes quantized and full-precision rows")
+        if quantized:
+            outputs = quantized_attention(quantized, scale, sinks)
+        else:
+            outputs = acceleration.attend(calls, scale, sinks)
         first_run = 0 if self.slot_step is None else 1
         for i, n in enumerate(self.run_lengths, start=first_run):
             if n > 1:  # (1, heads, n, dim) -> the flat batch's (n, heads, 1, dim)
@@ -220,7 +231,9 @@ class StepStats:
 
 
 class RaggedBatchGenerator:
-    def __init__(self, model: Any, *, prefill_tokens_per_step: int = 256) -> None:
+    def __init__(self, model: Any, *, prefill_tokens_per_step: int = 256, short_slots: bool = True) -> None:
+        """`short_slots=False` keeps every decoding row in its own caches (rows whose caches are
+        quantized: the ShortSlots hold full-precision K/V only)."""
         if prefill_tokens_per_step <= 0:
             raise ValueError(f"prefill_tokens_per_step must be positive, got {prefill_tokens_per_step}")
         if not route_attention(model):
@@ -238,6 +251,7 @@ class RaggedBatchGenerator:
         self.steps = 0
         self.last_step = StepStats()
         self.slots = ShortSlots()
+        self.short_slots = short_slots
         self._held_back_last_step = False
         self._next_uid = 0
 
@@ -369,7 +383,7 @@ class RaggedBatchGenerator:
         for row in list(self.slots.rows):
             if row.finished or row.length + 1 > SHORT_ROW_TOKENS:
                 self.slots.leave(row)
-        for row in live:
+        for row in live if self.short_slots else ():
             if row.decoding and row.length + 1 <= SHORT_ROW_TOKENS and row not in self.slots:
                 self.slots.enter(row)
 

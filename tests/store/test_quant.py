@@ -7,7 +7,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from engine.kv.quantized import dequantize_cache
 from store.disk import DiskStore
+from store.quant import QUANT_BITS
 from store.redis_store import RedisStore
 from tests.store.conftest import make_cache, tiny_spec, tokens
 
@@ -34,6 +36,8 @@ def test_quantized_round_trip_is_close_and_keeps_the_dtype(
     got = store.get("a")
     assert got is not None and got.token_ids == cache.token_ids
     got.validate(spec)  # shapes and storage dtype as the engine expects
+    assert got.quantization == (QUANT_BITS[mode], group_size)  # as stored: a pool quantized alike takes it so
+    got = dequantize_cache(got)
     worst = 0.0
     for a, b in zip(got.blocks, cache.blocks, strict=True):
         for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
