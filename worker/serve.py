@@ -52,6 +52,8 @@ def serve(settings: WorkerSettings) -> int:
         max_batch=settings.max_batch,
         prefill_step_size=settings.prefill_step_size,
         prefill_tokens_per_step=settings.prefill_tokens_per_step,
+        kv_bits=settings.kv_bits,
+        kv_group_size=settings.kv_group_size,
     )
     store = open_store(
         settings.store_uri(),

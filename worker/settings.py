@@ -29,6 +29,12 @@ class WorkerSettings(BaseSettings):
     store_quantization: Literal["none", "q8", "q4"] = Field(
         default="none", description="KV quantization at rest"
     )
+    kv_bits: Literal[8, 4] | None = Field(
+        default=None, description="keep running K/V quantized to 8 or 4 bits (ragged batch models only)"
+    )
+    kv_group_size: Literal[32, 64, 128] | None = Field(
+        default=None, description="values per quantization group of --kv-bits (default 64)"
+    )
     store_hot_mb: float = Field(
         default=512, ge=0, description="recently used caches kept in worker memory (MB)"
     )

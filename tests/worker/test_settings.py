@@ -64,6 +64,8 @@ NONE_DEFAULTS_AS_DOCUMENTED = {
     "store_max_mb": "unbounded",
     "pool_mb": "`2048` (engine)",
     "pool_blocks": "",
+    "kv_bits": "",
+    "kv_group_size": "`64` (engine)",
     "name": "`kvrq.HOST.PID.xxxx`",
     "max_held": "`2 x max_batch`",
     "metrics_port": "off",
@@ -93,6 +95,9 @@ def test_what_none_defaults_stand_for() -> None:
 
     settings = WorkerSettings()
     assert f"`{DEFAULT_POOL_MB}` (engine)" == NONE_DEFAULTS_AS_DOCUMENTED["pool_mb"]
+    from engine.kv.quant import DEFAULT_GROUP_SIZE
+
+    assert f"`{DEFAULT_GROUP_SIZE}` (engine)" == NONE_DEFAULTS_AS_DOCUMENTED["kv_group_size"]
     assert settings.held_limit == 2 * settings.max_batch
     host, pid = re.escape(socket.gethostname()), os.getpid()
     assert re.fullmatch(rf"kvrq\.{host}\.{pid}\.[0-9a-f]{{4}}", default_worker_name())
@@ -113,6 +118,8 @@ def _worker_flags() -> dict[str, argparse.Action]:
 def _sample_value(name: str) -> tuple[str, object]:
     """A valid non-default value for the setting: (as typed on the command line, as parsed)."""
     annotation = WorkerSettings.model_fields[name].annotation
+    optional = [a for a in typing.get_args(annotation) if typing.get_origin(a) is typing.Literal]
+    annotation = optional[0] if optional else annotation  # Literal[...] | None: one of the literals
     choices = typing.get_args(annotation)
     if typing.get_origin(annotation) is typing.Literal:
         return str(choices[-1]), choices[-1]

@@ -46,6 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--store-quantization", choices=("none", "q8", "q4"), help="KV quantization at rest")
     worker.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(8, 4),
+        help="keep running K/V quantized to 8 or 4 bits (unset: full precision)",
+    )
+    worker.add_argument(
+        "--kv-group-size", type=int, choices=(32, 64, 128), help="values per group of --kv-bits [64]"
+    )
+    worker.add_argument(
         "--queue", dest="queues", action="append", help=f"queue to serve (repeat) [{DEFAULT_QUEUE}]"
     )
     worker.add_argument("--pool-mb", type=float, help="KV block pool size in MB [2048]")
@@ -72,7 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="enqueue one job and stream its answer")
     generate.add_argument("prompt", help="the user message (or raw prompt with --raw)")
-    generate.add_argument("--agent", help="agent id: resume from and save to its KV cache")
+    generate.add_argument(
+        "--agent", help="agent id: the message continues the agent's conversation (and resumes its KV cache)"
+    )
+    generate.add_argument(
+        "--new",
+        action="store_true",
+        help="with --agent: start the agent's conversation over with this message",
+    )
     generate.add_argument("--system", help="system message")
     generate.add_argument(
         "--raw", action="store_true", help="send the prompt as raw text, without chat template"
@@ -129,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stack_commands(commands)
 
+    from worker.cli.agent import add_agent_commands
     from worker.cli.cache import add_cache_commands
 
     add_cache_commands(commands)
+    add_agent_commands(commands, _redis_url())
 
     from worker.cli.serve_http import add_serve_command
 
@@ -153,6 +171,8 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
             "redis_url",
             "store",
             "store_quantization",
+            "kv_bits",
+            "kv_group_size",
             "pool_mb",
             "pool_blocks",
             "max_batch",
@@ -200,6 +220,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         fields = {"messages": messages}
     request = GenerationRequest(
         agent_id=args.agent,
+        continue_=args.agent is not None and not args.new and not args.raw,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
