@@ -264,3 +264,21 @@ def shared_queue_of(queue: str) -> str:
 def agent_home_key(agent_id: str) -> str:
     """Name of the worker whose hot tier holds the agent's newest cache."""
     return f"{_PREFIX}:agent-home:{agent_id}"
+
+
+# ---- kvrq serve's Responses API state (producer/http/conversations.py) ----------------------------
+
+
+def response_key(response_id: str) -> str:
+    """JSON record of one stored /v1/responses response: its owner, agent, Response object, items."""
+    return f"{_PREFIX}:response:{response_id}"
+
+
+def conversation_key(conversation_id: str) -> str:
+    """JSON record of one /v1/conversations conversation: its owner, agent, metadata."""
+    return f"{_PREFIX}:conversation:{conversation_id}"
+
+
+def conversation_items_key(conversation_id: str) -> str:
+    """List of a conversation's items (JSON), oldest first."""
+    return f"{conversation_key(conversation_id)}:items"

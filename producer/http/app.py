@@ -25,12 +25,12 @@ from starlette.responses import JSONResponse, Response
 
 from producer.batch.format import CHAT_URL, COMPLETIONS_URL
 from producer.client import JobHandle, Producer
-from producer.http import anthropic_api, openai_api
+from producer.http import anthropic_api, conversations_routes, openai_api
 from producer.http.bridge import DEFAULT_THREADS, Bridge, ClientGone, disconnected
 from producer.http.errors import APIError, flavor_of, from_validation, invalid
 from producer.http.guard import ApiKeys, BodyLimit
 from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
-from producer.http.sse import Translator, open_stream
+from producer.http.sse import OnResult, Translator, open_stream
 from producer.models import GenerationRequest, GenerationResult
 from producer.protocol import DEFAULT_REDIS_URL
 
@@ -107,6 +107,7 @@ def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> F
     async def count_tokens(request: Request) -> Response:
         return await front.count_tokens(request)
 
+    conversations_routes.add_routes(app, front, _body, keyed=bool(settings.api_keys))
     return app
 
 
@@ -162,9 +163,11 @@ class _Front:
         handle: JobHandle,
         translator: Translator | None,
         body: Callable[[GenerationResult], dict[str, Any]],
+        on_result: OnResult | None = None,
     ) -> Response:
         """The job's stream through `translator`, or (None) its result as `body` makes it; the job id
-        as the request id (OpenAI's x-request-id, Anthropic's request-id). 499 when the client left."""
+        as the request id (OpenAI's x-request-id, Anthropic's request-id). 499 when the client left.
+        `on_result` is awaited with the result first (a stream's: after its end event)."""
         headers = {"x-request-id": handle.id, "request-id": handle.id}
         try:
             if translator is not None:
@@ -175,10 +178,13 @@ class _Front:
                     timeout=self.settings.request_timeout_s,
                     gone=disconnected(request.receive),
                     headers=headers,
+                    on_result=on_result,
                 )
             result = await self.bridge.result(
                 handle, timeout=self.settings.request_timeout_s, gone=disconnected(request.receive)
             )
+            if on_result is not None:
+                await on_result(result)
         except ClientGone:
             logger.info("job %s: the client went away; job canceled", handle.id)
             return Response(status_code=499)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from redis.exceptions import RedisError
@@ -39,6 +39,10 @@ def named_event(payload: dict[str, Any]) -> bytes:
     return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
+#: What a route does with a job's result before answering (None: the job has none, canceled).
+OnResult = Callable[[GenerationResult | None], Awaitable[None]]
+
+
 class Translator(Protocol):
     flavor: Flavor
 
@@ -63,16 +67,18 @@ async def open_stream(
     timeout: float,
     gone: Awaitable[object],
     headers: dict[str, str] | None = None,
+    on_result: OnResult | None = None,
 ) -> StreamingResponse:
     """The job's event stream, opened once its first token (or its end) is there: a job that fails
     before it generates anything (invalid, too long for the context) is answered with its error's
-    status instead, as a plain request's would be. Raises APIError, or ClientGone (job canceled)."""
+    status instead, as a plain request's would be. Raises APIError, or ClientGone (job canceled).
+    `on_result` is awaited with the job's result after its end event, before the translator's tail."""
     events = bridge.events(handle, timeout=timeout)
     first = await bridge.first(handle, events, timeout=timeout, gone=gone)
     if first.kind == "error":
         raise await bridge.failure(handle, first.error or "failed")
     return StreamingResponse(
-        job_stream(bridge, handle, translator, _chain(first, events), timeout=timeout),
+        job_stream(bridge, handle, translator, _chain(first, events), timeout=timeout, on_result=on_result),
         media_type="text/event-stream",
         headers={**HEADERS, **(headers or {})},
     )
@@ -91,6 +97,7 @@ async def job_stream(
     events: AsyncIterator[StreamEvent],
     *,
     timeout: float,
+    on_result: OnResult | None = None,
 ) -> AsyncIterator[bytes]:
     ended = False
     try:
@@ -105,6 +112,8 @@ async def job_stream(
             if event.kind == "end":
                 ended = True
                 result = None if event.finish_reason == "canceled" else await bridge.result_after_end(handle)
+                if on_result is not None:
+                    await on_result(result)
                 for chunk in translator.tail(result):
                     yield chunk
                 return
