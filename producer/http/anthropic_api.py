@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer.http.errors import Flavor, invalid
+from producer.http.memory_fields import memory_fields
 from producer.http.sse import named_event
 from producer.models import GenerationResult
 from producer.protocol import StreamEvent
@@ -68,6 +69,8 @@ class Parsed:
 
 def parse(body: dict[str, Any], *, agent: str | None = None, count: bool = False) -> Parsed:
     """A Messages body (`count`: a count_tokens body) as GenerationRequest fields; APIError 400 if bad."""
+    body = dict(body)
+    memory = memory_fields(body)
     allowed = COUNT_FIELDS if count else FIELDS
     if unknown := sorted(set(body) - allowed - IGNORED_FIELDS):
         raise invalid(f"unknown field(s) {', '.join(unknown)} (kvrq takes: {', '.join(sorted(allowed))})")
@@ -79,7 +82,7 @@ def parse(body: dict[str, Any], *, agent: str | None = None, count: bool = False
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid("'stream' must be true or false")
-    fields: dict[str, Any] = {"messages": _messages(body.get("system"), body.get("messages"))}
+    fields: dict[str, Any] = {"messages": _messages(body.get("system"), body.get("messages")), **memory}
     if not count:
         fields.update(_sampling(body))
     if tools := body.get("tools"):

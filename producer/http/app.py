@@ -153,7 +153,8 @@ class _Front:
             "temperature": 0.0,
             "metadata": {"kvrq_http": "count_tokens"},
         }
-        fields.pop("agent_id", None)
+        for name in ("agent_id", "continue", "fork_from"):  # counting reads no agent's memory
+            fields.pop(name, None)
         _, handle = await self.submit(request, parsed.model, fields)
         return await self.answer(request, handle, None, lambda r: {"input_tokens": r.usage.prompt_tokens})
 

@@ -23,6 +23,7 @@ from producer.batch.format import (
     response_body,
 )
 from producer.http.errors import Flavor, invalid
+from producer.http.memory_fields import memory_fields
 from producer.http.sse import DONE, data_event
 from producer.models import GenerationResult
 from producer.protocol import StreamEvent
@@ -60,10 +61,12 @@ def parse(url: str, body: dict[str, Any], *, agent: str | None = None) -> Parsed
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("'model' must be a string", param="model")
+    memory = memory_fields(body)
     try:
         fields = chat_request(body) if url == CHAT_URL else completion_request(body)
     except LineError as exc:
         raise invalid(exc.message.replace("body.", "")) from None
+    fields.update(memory)
     if agent or key:
         fields["agent_id"] = agent or key
     return Parsed(url, model, fields, bool(stream), include_usage)

@@ -319,3 +319,47 @@ def test_forced_tool_calls_and_json_output_on_the_builtin(
     )
     assert answered.choices[0].finish_reason == "stop"
     assert set(json.loads(answered.choices[0].message.content or "")) == {"capital"}
+
+
+def test_a_continued_turn_sends_only_its_new_message(
+    client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    remember = {"kvrq": {"continue": True}}
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=0,
+        prompt_cache_key="http-memory",
+        extra_body=remember,
+    )
+    second = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "And of Italy?"}],
+        max_tokens=4,
+        temperature=0,
+        prompt_cache_key="http-memory",
+        extra_body=remember,
+    )
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.prompt_tokens_details is not None
+    first_turn = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens > first_turn  # the stored conversation came back
+    assert second.usage.prompt_tokens_details.cached_tokens >= first_turn - 1
+    third = claude.messages.create(
+        model=MODEL,
+        max_tokens=4,
+        messages=[{"role": "user", "content": "And of Spain?"}],
+        metadata={"user_id": "http-memory"},
+        extra_body={**remember, **GREEDY},
+    )
+    assert third.usage.cache_read_input_tokens is not None
+    assert (
+        third.usage.cache_read_input_tokens >= second.usage.prompt_tokens + second.usage.completion_tokens - 1
+    )
+    bad = httpx.post(
+        f"{str(client.base_url).rstrip('/')}/chat/completions",
+        json={"model": MODEL, "messages": QUESTION, "kvrq": {"continue": True}},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "agent_id" in bad.json()["error"]["message"]

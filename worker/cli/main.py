@@ -81,7 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="enqueue one job and stream its answer")
     generate.add_argument("prompt", help="the user message (or raw prompt with --raw)")
-    generate.add_argument("--agent", help="agent id: resume from and save to its KV cache")
+    generate.add_argument(
+        "--agent", help="agent id: the message continues the agent's conversation (and resumes its KV cache)"
+    )
+    generate.add_argument(
+        "--new",
+        action="store_true",
+        help="with --agent: start the agent's conversation over with this message",
+    )
     generate.add_argument("--system", help="system message")
     generate.add_argument(
         "--raw", action="store_true", help="send the prompt as raw text, without chat template"
@@ -138,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stack_commands(commands)
 
+    from worker.cli.agent import add_agent_commands
     from worker.cli.cache import add_cache_commands
 
     add_cache_commands(commands)
+    add_agent_commands(commands, _redis_url())
 
     from worker.cli.serve_http import add_serve_command
 
@@ -211,6 +220,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         fields = {"messages": messages}
     request = GenerationRequest(
         agent_id=args.agent,
+        continue_=args.agent is not None and not args.new and not args.raw,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
