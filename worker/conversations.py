@@ -40,7 +40,7 @@ def source_agent(request: GenerationRequest) -> str:
 
 
 def start_read(
-    store: Store | None, request: GenerationRequest, fence: int | None
+    store: Store | None, request: GenerationRequest, fence: int | None, namespace: str | None
 ) -> Future[AgentCache | None]:
     """The source agent's whole cache (no prompt to cut it to yet), read off the loop thread; `fence`:
     the job's turn, when the source is its own agent (a fork reads another agent's last durable turn)."""
@@ -49,7 +49,8 @@ def start_read(
         done.set_result(None)
         return done
     own = request.fork_from is None
-    return store.prefetch(source_agent(request), prompt_tokens=None, fence=fence if own else None)
+    source = source_agent(request)
+    return store.prefetch(source, prompt_tokens=None, fence=fence if own else None, namespace=namespace)
 
 
 def resolve(

@@ -132,6 +132,8 @@ class WorkerLoop:
         self.latency = LatencyHistograms()
         self.ending: deque[tuple[HeldJob, Outcome]] = deque()
         self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
+        #: Jobs without an agent resume from (and feed) the shared prefixes of their namespace.
+        self.prefix_reuse = store is not None and settings.prefix_cache_mb != 0
         self.draining = False
         self.force_stop = False
         self.drain_deadline = 0.0
@@ -387,7 +389,9 @@ class WorkerLoop:
 
     def _ready(self, held: HeldJob) -> bool:
         """Take the agent's turn and start reading its cache; True once both are done (no I/O wait)."""
-        if held.agent_id is None or (self.store is None and not held.extending):
+        if held.agent_id is None:
+            return self._prefix_ready(held)
+        if self.store is None and not held.extending:
             return True
         if held.fence is None:
             held.fence = self.turns.take(
@@ -399,17 +403,41 @@ class WorkerLoop:
         if held.extending:
             return self._extend(held)
         if held.cache is None:
-            held.cache = self._prefetch(held.agent_id, held.prompt_tokens, held.fence)
+            held.cache = self._prefetch(held.agent_id, held.prompt_tokens, held.fence, self._namespace(held))
         if not held.cache.done():
             self._waiting(held, "its agent's cache (reading)")
             return False
         return True
 
+    def _prefix_ready(self, held: HeldJob) -> bool:
+        """A job without an agent: start reading the longest prefix of its prompt any earlier job of its
+        namespace stored; True once read (a failed read is a miss: it prefills)."""
+        if not self.prefix_reuse:
+            return True
+        assert self.store is not None
+        if held.cache is None:
+            try:
+                held.cache = self.store.prefetch_prefix(held.prompt_tokens, namespace=self._namespace(held))
+            except Exception:
+                log.exception("job %s: reading a shared prefix failed: prefilling", held.id)
+                return True
+        if not held.cache.done():
+            self._waiting(held, "a shared prefix (reading)")
+            return False
+        return True
+
+    def _namespace(self, held: HeldJob) -> str | None:
+        """The tenant of the job's reuse: the worker's, narrowed by the job's own field (never wider)."""
+        own = held.request.namespace
+        return None if own is None else f"{self.settings.namespace}/{own}"
+
     def _extend(self, held: HeldJob) -> bool:
         """A continue / fork job with its turn: once its source is read, render the whole conversation
         and become an ordinary job (True when it may be submitted now)."""
         if held.source is None:
-            held.source = conversations.start_read(self.store, held.request, held.fence)
+            held.source = conversations.start_read(
+                self.store, held.request, held.fence, self._namespace(held)
+            )
         if not held.source.done():
             self._waiting(held, "its agent's conversation (reading)")
             return False
@@ -434,12 +462,16 @@ class WorkerLoop:
         self.publisher.progress(held.job, prompt_tokens=len(tokens))
         return verdict.verdict == "now"
 
-    def _prefetch(self, agent_id: str, prompt_tokens: list[int], fence: int) -> Future[AgentCache | None]:
+    def _prefetch(
+        self, agent_id: str, prompt_tokens: list[int], fence: int, namespace: str | None
+    ) -> Future[AgentCache | None]:
         """The store's read of the agent's cache, as new as its turn (`fence`) needs; a store that
         raises at once fails only this read."""
         assert self.store is not None
         try:
-            return self.store.prefetch(agent_id, prompt_tokens=prompt_tokens, fence=fence)
+            return self.store.prefetch(
+                agent_id, prompt_tokens=prompt_tokens, fence=fence, namespace=namespace
+            )
         except Exception as exc:
             failed: Future[AgentCache | None] = Future()
             failed.set_exception(exc)
@@ -492,7 +524,7 @@ class WorkerLoop:
         return "the engine refused the request"
 
     def _engine_submit(self, held: HeldJob, cache: AgentCache | None) -> int:
-        keep_cache = held.agent_id is not None and self.store is not None
+        keep_cache = self.store is not None and (held.agent_id is not None or self.prefix_reuse)
         return self.engine.submit(
             held.agent_id, held.prompt_tokens, held.sampling, cache=cache, keep_cache=keep_cache
         )
@@ -616,7 +648,10 @@ class WorkerLoop:
         self._log_ending(held, outcome)
 
     def _save_cache(self, held: HeldJob, outcome: Outcome) -> None:
-        if not isinstance(outcome, Finished) or held.agent_id is None:
+        if not isinstance(outcome, Finished):
+            return
+        if held.agent_id is None:
+            self._save_prefix(held, outcome.completion.cache)
             return
         result = self._result(held, outcome.completion)
         own = len(held.request.messages or ()) - held.stored_messages
@@ -626,13 +661,24 @@ class WorkerLoop:
             return
         try:
             cache = dataclasses.replace(cache, conversation=conversation)
-            self.saving.append((held, self.store.put(held.agent_id, cache, fence=held.fence)))
+            put = self.store.put(held.agent_id, cache, fence=held.fence, namespace=self._namespace(held))
+            self.saving.append((held, put))
             if self.settings.store_hot_mb > 0:
                 self.affinity.record_home(held.agent_id)
         except Exception:
             # The answer is good; only the next turn's warm start is lost.
             log.exception("job %s: saving agent %s's cache failed", held.id, held.agent_id)
             self.counts["cache_put_failed"] += 1
+
+    def _save_prefix(self, held: HeldJob, cache: AgentCache | None) -> None:
+        """Keep a finished agent-less job's full blocks for the next job with the same prefix (best
+        effort: the write happens behind, and a failure only costs a later job its reuse)."""
+        if cache is None or self.store is None or not self.prefix_reuse:
+            return
+        try:
+            self.store.put_prefix(cache, namespace=self._namespace(held))
+        except Exception:
+            log.exception("job %s: keeping its prefix for reuse failed", held.id)
 
     def _publish_ending(self, job: Job, outcome: Outcome, held: HeldJob | None = None) -> None:
         progress: dict[str, Any] = {"phase": outcome.phase}

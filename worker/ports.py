@@ -53,16 +53,35 @@ class Engine(Protocol):
 
 
 class Store(Protocol):
+    """`namespace` everywhere: the tenant whose shared blocks a call may reuse and feed (None: the
+    store's own); the worker narrows it per job, never widens it."""
+
     def prefetch(
-        self, agent_id: str, *, prompt_tokens: Sequence[int] | None, fence: int | None = None
+        self,
+        agent_id: str,
+        *,
+        prompt_tokens: Sequence[int] | None,
+        fence: int | None = None,
+        namespace: str | None = None,
     ) -> Future[AgentCache | None]:
-        """The agent's cache (prefix shared with the prompt; all of it without one), read and decoded off
-        the caller's thread;
-        with `fence` (the caller's turn), never one older than the previous turn wrote."""
+        """The agent's cache (prefix shared with the prompt; all of it without one), read and decoded
+        off the caller's thread; with `fence` (the caller's turn), never older than the previous turn's."""
         ...
 
-    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> Future[bool]:
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> Future[bool]:
         """Returns at once; the future is True once every worker's get sees the cache (False: stale)."""
+        ...
+
+    def prefetch_prefix(
+        self, prompt_tokens: Sequence[int], *, namespace: str | None = None
+    ) -> Future[AgentCache | None]:
+        """The longest run of full blocks of the prompt any job of the namespace stored (no agent needed)."""
+        ...
+
+    def put_prefix(self, cache: AgentCache, *, namespace: str | None = None) -> Future[bool]:
+        """Keep the cache's full blocks for later jobs without an agent (best effort, written behind)."""
         ...
 
     def stats(self) -> dict[str, int]:

@@ -39,6 +39,17 @@ class WorkerSettings(BaseSettings):
         default=512, ge=0, description="recently used caches kept in worker memory (MB)"
     )
     store_max_mb: float | None = Field(default=None, gt=0, description="store size bound, LRU eviction (MB)")
+    prefix_cache_mb: float | None = Field(
+        default=None,
+        ge=0,
+        description="store budget for the prefixes of jobs without an agent, reused by later jobs "
+        "(MB; default a quarter of store_max_mb, else 1024; 0: jobs without an agent reuse nothing)",
+    )
+    namespace: str = Field(
+        default="default",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$",
+        description="the tenant: reuse of shared prefixes never crosses it (a job may narrow it)",
+    )
     pool_mb: float | None = Field(
         default=None, gt=0, description="KV block pool size in MB (engine default 2048)"
     )

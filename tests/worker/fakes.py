@@ -177,17 +177,43 @@ class DictStore:
         self.pending: list[Future[bool]] = []
         self.durable = durable
         self.closed = False
+        self.prefixes: dict[str, list[AgentCache]] = {}  # namespace -> kept prefixes of agent-less jobs
+        self.namespaces: list[tuple[str, str | None]] = []  # (agent, namespace) of each put
 
     def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
         return self.caches.get(agent_id)
 
     def prefetch(
-        self, agent_id: str, *, prompt_tokens: Sequence[int], fence: int | None = None
+        self,
+        agent_id: str,
+        *,
+        prompt_tokens: Sequence[int] | None,
+        fence: int | None = None,
+        namespace: str | None = None,
     ) -> Future[AgentCache | None]:
         self.prefetches.append(agent_id)
         return done(self.get(agent_id, prompt_tokens=prompt_tokens))
 
-    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> Future[bool]:
+    def prefetch_prefix(
+        self, prompt_tokens: Sequence[int], *, namespace: str | None = None
+    ) -> Future[AgentCache | None]:
+        """The longest run of full blocks of the prompt among the prefixes kept in `namespace`."""
+        best: AgentCache | None = None
+        for cache in self.prefixes.get(namespace or "default", []):
+            shared = common_prefix_length(cache.token_ids, list(prompt_tokens))
+            full = shared // cache.spec.block_tokens * cache.spec.block_tokens
+            if full and (best is None or full > best.n_tokens):
+                best = AgentCache(cache.spec, cache.token_ids[:full], [])
+        return done(best)
+
+    def put_prefix(self, cache: AgentCache, *, namespace: str | None = None) -> Future[bool]:
+        self.prefixes.setdefault(namespace or "default", []).append(cache)
+        return done(True)
+
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> Future[bool]:
+        self.namespaces.append((agent_id, namespace))
         self.caches[agent_id] = cache
         self.puts.append(agent_id)
         self.fences.append((agent_id, fence))

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from engine.core.blocks import common_prefix_length
 from producer.client import JobFailedError
 from producer.conversation import ConversationRecord, after_turn, extended
 from producer.models import ChatMessage, GenerationRequest
@@ -194,3 +195,37 @@ def test_continue_travels_as_continue_on_the_wire() -> None:
     payload = GenerationRequest(agent_id="a", messages=[user("x")], continue_=True).job_payload()
     assert payload["continue"] is True and "continue_" not in payload
     assert "continue" not in GenerationRequest(agent_id="a", messages=[user("x")]).job_payload()
+
+
+def test_a_job_without_an_agent_resumes_the_prefix_an_earlier_one_left() -> None:
+    h = Harness()
+    history = [user("a long shared system prompt " * 4), {"role": "assistant", "content": "ok"}]
+    first = run(h, {"messages": history}).result()
+    second = run(h, {"messages": [*history, user("next")]}).result()
+    assert first.usage.reused_tokens == 0
+    shared = common_prefix_length(h.engine.submitted[0][1], h.engine.submitted[1][1])
+    assert second.usage.reused_tokens == shared // 4 * 4  # its full blocks (the fake's are 4 tokens)
+
+
+def test_a_tenant_never_reuses_another_tenants_prefix() -> None:
+    h = Harness()
+    history = [user("the same words in two tenants " * 3)]
+    run(h, {"messages": history, "namespace": "acme"})
+    other = run(h, {"messages": history, "namespace": "globex"}).result()
+    same = run(h, {"messages": history, "namespace": "acme"}).result()
+    assert other.usage.reused_tokens == 0 and same.usage.reused_tokens > 0
+    assert set(h.store.prefixes) == {"default/acme", "default/globex"}  # narrowed, under the worker's
+
+
+def test_an_agents_puts_carry_the_jobs_namespace() -> None:
+    h = Harness()
+    run(h, {"agent_id": "a", "messages": [user("x")], "namespace": "team1"})
+    run(h, {"agent_id": "b", "messages": [user("x")]})
+    assert h.store.namespaces == [("a", "default/team1"), ("b", None)]
+
+
+def test_prefix_reuse_off_keeps_nothing() -> None:
+    h = Harness(prefix_cache_mb=0)
+    run(h, {"messages": [user("words " * 10)]})
+    again = run(h, {"messages": [user("words " * 10)]}).result()
+    assert again.usage.reused_tokens == 0 and h.store.prefixes == {}

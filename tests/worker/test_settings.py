@@ -62,6 +62,7 @@ def _shown(value: object) -> str:
 # Settings whose default is None, and what the table says instead (each checked against the code below).
 NONE_DEFAULTS_AS_DOCUMENTED = {
     "store_max_mb": "unbounded",
+    "prefix_cache_mb": "a quarter of `store_max_mb`, else 1024",
     "pool_mb": "`2048` (engine)",
     "pool_blocks": "",
     "kv_bits": "",

@@ -43,7 +43,12 @@ class FailingStore(DictStore):
         self.put_fails = put_fails
 
     def prefetch(
-        self, agent_id: str, *, prompt_tokens: Sequence[int], fence: int | None = None
+        self,
+        agent_id: str,
+        *,
+        prompt_tokens: Sequence[int] | None,
+        fence: int | None = None,
+        namespace: str | None = None,
     ) -> Future[AgentCache | None]:
         self.prefetches.append(agent_id)
         if self.prefetch_raises:
@@ -54,7 +59,9 @@ class FailingStore(DictStore):
             return failed
         return super().prefetch(agent_id, prompt_tokens=prompt_tokens)
 
-    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> Future[bool]:
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> Future[bool]:
         self.puts.append(agent_id)
         if self.put_raises:
             raise DISK_FULL

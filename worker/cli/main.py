@@ -217,10 +217,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         messages = [ChatMessage(role="user", content=args.prompt)]
         if args.system is not None:
             messages.insert(0, ChatMessage(role="system", content=args.system))
-        fields = {"messages": messages}
+        fields = {"messages": messages, "continue": args.agent is not None and not args.new}
     request = GenerationRequest(
         agent_id=args.agent,
-        continue_=args.agent is not None and not args.new and not args.raw,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
