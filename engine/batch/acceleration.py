@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.batch.attention import AttentionCall, fused_attention
+from engine.batch.attention import AttentionCall, QuantizedCall, fused_attention, quantized_attention
 from engine.core.cpu_package import cpu_module
 
 log = logging.getLogger("kvrq.engine")
@@ -62,6 +62,12 @@ def attend(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> 
     """Each call's attention output, in order: the CPU path's where it takes the calls, else MLX's."""
     taken = None if _door is None else _door.attend(calls, scale, sinks)
     return fused_attention(calls, scale, sinks) if taken is None else list(taken)
+
+
+def attend_quantized(calls: list[QuantizedCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
+    """The same for rows whose K/V are quantized: the CPU path's C loop where it takes them."""
+    taken = None if _door is None else _door.attend_quantized(calls, scale, sinks)
+    return quantized_attention(calls, scale, sinks) if taken is None else list(taken)
 
 
 def route_swiglu(module: Any) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.batch import acceleration
-from engine.batch.attention import AttentionCall, QuantizedCall, quantized_attention
+from engine.batch.attention import AttentionCall, QuantizedCall
 from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 from engine.core.params import LogitsProcessor
@@ -125,7 +125,7 @@ class FlatLayerCache:
         if calls and quantized:
             raise RuntimeError("a step mixes quantized and full-precision rows")
         if quantized:
-            outputs = quantized_attention(quantized, scale, sinks)
+            outputs = acceleration.attend_quantized(quantized, scale, sinks)
         else:
             outputs = acceleration.attend(calls, scale, sinks)
         first_run = 0 if self.slot_step is None else 1

@@ -11,12 +11,14 @@ from engine.cpu import native_attention
 from engine.cpu.blas import find_openblas, openblas_loaded
 from engine.cpu.gemm_rows import padded_rows
 from engine.cpu.numpy_exp import route_swiglu
+from engine.cpu.quantized_attention import attend_quantized
 from engine.cpu.shortcuts import CpuShortcuts, cpu_shortcuts, in_ragged_step
 from engine.cpu.split_attention import attend
 
 __all__ = [
     "CpuShortcuts",
     "attend",
+    "attend_quantized",
     "in_ragged_step",
     "padded_rows",
     "prepare",

@@ -44,13 +44,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.batch.attention import AttentionCall
+from engine.batch.attention import AttentionCall, QuantizedCall
 from engine.cpu.shortcuts import current
 
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).parent / "native"
-SOURCES = (NATIVE / "decode_attention.c", NATIVE / "softmax_rows.c")
+SOURCES = (NATIVE / "decode_attention.c", NATIVE / "decode_attention_quantized.c", NATIVE / "softmax_rows.c")
 HEADERS = (NATIVE / "vector_math.h",)
 LANES = 8  # the C loops' vector width: head dims must be multiples of it
 MAX_REPEATS = 64  # query heads per KV head the C loop holds
@@ -103,6 +103,9 @@ def library() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes = [ctypes.c_int, *[_POINTER] * 6, *[ctypes.c_int] * 4, ctypes.c_float]
     lib.decode_attention.argtypes += [_POINTER, ctypes.c_int]
     lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention_quantized.argtypes = [ctypes.c_int, *[_POINTER] * 12, *[ctypes.c_int] * 6]
+    lib.decode_attention_quantized.argtypes += [ctypes.c_float, _POINTER, ctypes.c_int]
+    lib.decode_attention_quantized.restype = ctypes.c_int
     lib.softmax_rows.argtypes = [_POINTER, *[ctypes.c_int64] * 3, _POINTER, ctypes.c_int]
     lib.softmax_rows.restype = ctypes.c_int
     return lib
@@ -284,3 +287,68 @@ def softmax_numerators(lib: ctypes.CDLL, scores: np.ndarray, queries: int) -> np
     if lib.softmax_rows(scores.ctypes.data, rows, length, queries, totals.ctypes.data, workers) != 0:
         return None
     return totals
+
+
+def fits_quantized(call: QuantizedCall) -> bool:
+    """Whether the quantized C loop computes `call`: one row's one query token over all its keys,
+    float32 queries, scales and biases, groups and dims the loop's vectors divide."""
+    batch, heads, length, k_dim = call.queries.shape
+    kv_heads, v_dim = call.keys[0].shape[1], call.values[1].shape[-1] * call.group_size
+    return (
+        batch == 1
+        and length == 1
+        and call.mask is None
+        and call.bits in (8, 4)
+        and call.queries.dtype == call.keys[1].dtype == call.values[1].dtype == mx.float32
+        and call.group_size % LANES == 0
+        and k_dim % call.group_size == 0
+        and v_dim % call.group_size == 0
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_REPEATS
+    )
+
+
+def attend_quantized_rows(lib: ctypes.CDLL, calls: list[QuantizedCall], scale: float) -> mx.array:
+    """(rows, heads, 1, value_dim): every call's attention output, in order; the calls (all of one
+    model: same heads, dims, bits and group size) must be evaluated."""
+    first = calls[0]
+    _, heads, _, k_dim = first.queries.shape
+    kv_heads = first.keys[0].shape[1]
+    v_dim = first.values[1].shape[-1] * first.group_size
+    columns: list[list[int]] = [[] for _ in range(12)]  # q, kq, ks, kb, vq, vs, vb, lengths, 4 strides
+    views = []  # the numpy views the pointers point into: alive until the call returns
+    for call in calls:
+        q = np.ascontiguousarray(np.asarray(call.queries))
+        parts = [_lines_view(part) for part in (*call.keys, *call.values)]
+        views += [q, *parts]
+        for column, view in zip(columns[:7], (q, *parts), strict=True):
+            column.append(view.ctypes.data)
+        columns[7].append(int(parts[0].shape[2]))
+        # head strides: packed lines in bytes (the C loop reads them as bytes), groups in floats
+        strides = (
+            parts[0].strides[1],
+            parts[1].strides[1] // 4,
+            parts[3].strides[1],
+            parts[4].strides[1] // 4,
+        )
+        for column, stride in zip(columns[8:], strides, strict=True):
+            column.append(stride)
+    # Locals, not temporaries: the C call reads these tables, so they must outlive it.
+    tables = [np.array(column, dtype=np.uintp if i < 7 else np.int64) for i, column in enumerate(columns)]
+    out = np.empty((len(calls), heads, 1, v_dim), dtype=np.float32)
+    status = lib.decode_attention_quantized(
+        len(calls),
+        *(table.ctypes.data for table in tables),
+        kv_heads,
+        heads // kv_heads,
+        k_dim,
+        v_dim,
+        first.bits,
+        first.group_size,
+        scale,
+        out.ctypes.data,
+        threads(int(tables[7].sum()) * kv_heads >= THREAD_MIN_LINES),
+    )
+    if status != 0:
+        raise MemoryError("decode_attention_quantized could not get scratch memory")
+    return mx.array(out)

@@ -23,16 +23,6 @@
 #endif
 #define MAX_REPEATS KVRQ_MAX_REPEATS
 
-static inline float dot(const float *a, const float *b, int dim) {
-    float lanes[LANES] = {0};
-    for (int d = 0; d < dim; d += LANES)
-        for (int j = 0; j < LANES; j++) lanes[j] += a[d + j] * b[d + j];
-    /* A tree, not a chain of LANES dependent adds: the reduction is on every score's path. */
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
-    return lanes[0];
-}
-
 typedef struct {
     const float *const *q, *const *k, *const *v;
     const int64_t *lengths, *k_head_stride, *v_head_stride;

@@ -34,6 +34,17 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* The dot product of two float vectors of dim values (a multiple of LANES). */
+static inline float dot(const float *a, const float *b, int dim) {
+    float lanes[LANES] = {0};
+    for (int d = 0; d < dim; d += LANES)
+        for (int j = 0; j < LANES; j++) lanes[j] += a[d + j] * b[d + j];
+    /* A tree, not a chain of LANES dependent adds: the reduction is on every score's path. */
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
 static inline float lane_max(const float *x, int64_t n) {
     float lanes[LANES];
     for (int j = 0; j < LANES; j++) lanes[j] = -INFINITY;
