@@ -166,3 +166,30 @@ def test_a_turn_whose_worker_is_killed_runs_again_and_is_recorded_once(
     finally:
         for worker in workers.values():
             worker.stop()
+
+
+LONG_SYSTEM = {
+    "role": "system",
+    "content": "You are a support assistant for a bicycle shop. "
+    + " ".join(f"Rule {i}: answer politely and mention part number {1000 + i}." for i in range(40)),
+}
+
+
+def test_jobs_without_an_agent_reuse_a_prefix_across_workers(client: Producer) -> None:
+    first = ask(client, "qa", messages=[LONG_SYSTEM, user("Do you sell bells?")])
+    assert first.usage.prompt_tokens > 512 and first.usage.reused_tokens == 0
+    history = [LONG_SYSTEM, user("Do you sell bells?"), answer(first), user("And lights?")]
+    second = ask(client, "qb", messages=history)  # the other worker, no agent id: the shared prefix
+    assert second.usage.reused_tokens >= first.usage.prompt_tokens // 256 * 256 > 0  # every full block
+    fresh = ask(client, "qb", messages=history, namespace="elsewhere")  # a tenant of its own: nothing
+    assert fresh.usage.reused_tokens == 0
+    assert second.token_ids == fresh.token_ids
+
+
+def test_a_tenant_gets_no_token_of_another_tenants_identical_prefix(client: Producer) -> None:
+    chat = [LONG_SYSTEM, user("Which tyres fit a city bike?")]
+    ask(client, "qa", messages=chat, namespace="tenant-a", agent_id="a-1")
+    other = ask(client, "qb", messages=chat, namespace="tenant-b")
+    same = ask(client, "qb", messages=chat, namespace="tenant-a")
+    assert other.usage.reused_tokens == 0
+    assert same.usage.reused_tokens >= 512
