@@ -25,6 +25,7 @@ from typing import Any
 from redis import Redis
 from starlette.datastructures import Headers
 
+from producer.conversation import forget_conversation
 from producer.protocol import conversation_items_key, conversation_key, response_key
 
 #: Seconds a record lives after it was last written (OpenAI keeps responses 30 days).
@@ -99,10 +100,17 @@ class Records:
         self.connection.set(response_key(ident), json.dumps(asdict(record)), ex=self.ttl_s)
 
     def delete_response(self, ident: str, owner: str) -> StoredResponse | None:
+        """Remove the record and its agent's conversation record (a conversation's agent stays: other
+        responses continue it). The agent's cache goes by the store's LRU (a producer has no store)."""
         record = self.response(ident, owner)
         if record is not None:
             self.connection.delete(response_key(ident))
+            if record.conversation is None:
+                self.forget_agent(record.agent_id)
         return record
+
+    def forget_agent(self, agent_id: str) -> None:
+        forget_conversation(self.connection, agent_id)
 
     def conversation(self, ident: str, owner: str) -> StoredConversation | None:
         data = self._load(conversation_key(ident), owner)
@@ -128,6 +136,7 @@ class Records:
         record = self.conversation(ident, owner)
         if record is not None:
             self.connection.delete(conversation_key(ident), conversation_items_key(ident))
+            self.forget_agent(record.agent_id)
         return record
 
     def conversation_items(self, ident: str) -> list[dict[str, Any]]:

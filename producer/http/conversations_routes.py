@@ -152,6 +152,8 @@ class ResponsesAPI:
         """Write the records of a request whose job has its result."""
         parsed = plan.parsed
         calls = sorted(plan.known_calls | parsed.calls | api.call_ids(final["output"]))
+        if not parsed.store and parsed.previous_response_id is not None and plan.agent_id is not None:
+            self.records.forget_agent(plan.agent_id)  # the fork no later request can name
         if parsed.store and plan.agent_id is not None:
             record = StoredResponse(
                 plan.owner,

@@ -17,7 +17,7 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from producer.protocol import StreamEvent, stream_key
+from producer.protocol import StreamEvent, agent_conversation_key, stream_key
 from tests.http import test_load
 from tests.http.test_integration import ServeProcess
 from tests.http.test_load import MODEL, StandInWorker
@@ -259,12 +259,15 @@ def test_allowed_tools_narrow_the_tools_and_text_format_is_the_schema(
     assert "agent_id" not in job  # store: false, nothing to follow up
 
 
-def test_store_false_keeps_nothing_and_delete_forgets(client: openai.OpenAI) -> None:
+def test_store_false_keeps_nothing_and_delete_forgets(client: openai.OpenAI, worker: ScriptedWorker) -> None:
     loose = client.responses.create(model=MODEL, input="x", store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(loose.id)
     kept = client.responses.create(model=MODEL, input="y")
+    conversation = agent_conversation_key(f"responses:{kept.id}")
+    worker.connection.set(conversation, b"{}")  # what a real worker keeps for the agent
     client.responses.delete(kept.id)
+    assert not worker.connection.exists(conversation)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
     with pytest.raises(openai.BadRequestError):
