@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "decode_attention.c", NATIVE / "decode_attention_quantized.c", NATIVE / "softmax_rows.c")
-HEADERS = (NATIVE / "vector_math.h",)
+HEADERS = (NATIVE / "vector_math.h", NATIVE / "spans.h")
 LANES = 8  # the C loops' vector width: head dims must be multiples of it
 MAX_REPEATS = 64  # query heads per KV head the C loop holds
 # -fno-math-errno -fno-trapping-math change no value; without them gcc leaves the softmax's

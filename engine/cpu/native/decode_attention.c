@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "spans.h"
 #include "vector_math.h"
 
 /* Query heads per KV head, set by engine/cpu/native_attention.py; checked by the caller too. */
@@ -24,13 +25,12 @@
 #define MAX_REPEATS KVRQ_MAX_REPEATS
 
 typedef struct {
+    Span span; /* first: run_spans sets it */
     const float *const *q, *const *k, *const *v;
     const int64_t *lengths, *k_head_stride, *v_head_stride;
     int kv_heads, repeats, k_dim, v_dim;
     float scale;
     float *out;
-    int64_t first, end; /* units row * kv_heads + head, [first, end) */
-    int status;
 } Work;
 
 /* One (row, KV head): its repeats query heads' scores, softmax and weighted sum. */
@@ -61,60 +61,30 @@ static void attend_unit(const Work *w, int64_t unit, float *weights, float *sums
 
 static void *run_units(void *arg) {
     Work *w = arg;
-    int64_t longest = 0;
-    for (int64_t unit = w->first; unit < w->end; unit++) {
-        const int64_t length = w->lengths[unit / w->kv_heads];
-        longest = length > longest ? length : longest;
-    }
+    const int64_t longest = span_longest(&w->span, w->lengths, w->kv_heads);
     float *weights = malloc(sizeof(float) * (size_t)(longest * w->repeats + w->repeats * w->v_dim));
     if (weights == NULL) {
-        w->status = -1;
+        w->span.status = -1;
         return NULL;
     }
-    for (int64_t unit = w->first; unit < w->end; unit++)
+    for (int64_t unit = w->span.first; unit < w->span.end; unit++)
         attend_unit(w, unit, weights, weights + longest * w->repeats);
     free(weights);
-    w->status = 0;
+    w->span.status = 0;
     return NULL;
 }
 
 /* All rows' attention, the (row, KV head) units split into `threads` runs of about equal
- * numbers of K/V lines (the calling thread runs the first). Returns 0, or -1 when memory or
- * a thread could not be had (the output is then incomplete). */
+ * numbers of K/V lines (spans.h). Returns 0, or -1 when memory or a thread could not be had
+ * (the output is then incomplete). */
 int decode_attention(int rows, const float *const *q, const float *const *k, const float *const *v,
                      const int64_t *lengths, const int64_t *k_head_stride,
                      const int64_t *v_head_stride, int kv_heads, int repeats, int k_dim, int v_dim,
                      float scale, float *out, int threads) {
-    enum { MAX_THREADS = 16 };
     if (repeats > MAX_REPEATS || k_dim % LANES || threads < 1) return -1;
-    threads = threads > MAX_THREADS ? MAX_THREADS : threads;
-    const int64_t units = (int64_t)rows * kv_heads;
-    int64_t lines = 0;
-    for (int row = 0; row < rows; row++) lines += lengths[row] * kv_heads;
     Work work[MAX_THREADS];
-    pthread_t helpers[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    int64_t unit = 0, done_lines = 0;
-    for (int i = 0; i < threads; i++) {
-        work[i] = (Work){q, k, v, lengths, k_head_stride, v_head_stride, kv_heads, repeats,
-                         k_dim, v_dim, scale, out, unit, unit, -1};
-        const int64_t target = lines * (i + 1) / threads;
-        while (unit < units && (i == threads - 1 || done_lines < target)) {
-            done_lines += lengths[unit / kv_heads];
-            unit++;
-        }
-        work[i].end = unit;
-    }
-    for (int i = 1; i < threads; i++)
-        if (work[i].first < work[i].end)
-            started[i] = pthread_create(&helpers[i], NULL, run_units, &work[i]) == 0;
-    run_units(&work[0]);
-    int status = work[0].status;
-    for (int i = 1; i < threads; i++) {
-        if (work[i].first >= work[i].end) continue;
-        if (started[i]) pthread_join(helpers[i], NULL);
-        else run_units(&work[i]); /* no thread to be had: run it here */
-        status = work[i].status ? work[i].status : status;
-    }
-    return status;
+    for (int i = 0; i < MAX_THREADS; i++)
+        work[i] = (Work){{0, 0, -1}, q, k, v, lengths, k_head_stride, v_head_stride,
+                         kv_heads, repeats, k_dim, v_dim, scale, out};
+    return run_spans(work, sizeof(Work), threads, rows, lengths, kv_heads, run_units);
 }

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "spans.h"
 #include "vector_math.h"
 
 #ifndef KVRQ_MAX_REPEATS
@@ -45,6 +46,7 @@ static inline void unpack_line(const uint8_t *packed, const float *scales, const
 }
 
 typedef struct {
+    Span span; /* first: run_spans sets it */
     const float *const *q;
     const uint8_t *const *kq, *const *vq;
     const float *const *ks, *const *kb, *const *vs, *const *vb;
@@ -52,8 +54,6 @@ typedef struct {
     int kv_heads, repeats, k_dim, v_dim, bits, group_size;
     float scale;
     float *out;
-    int64_t first, end; /* units row * kv_heads + head, [first, end) */
-    int status;
 } Work;
 
 static void attend_unit(const Work *w, int64_t unit, float *weights, float *sums, float *line) {
@@ -89,27 +89,22 @@ static void attend_unit(const Work *w, int64_t unit, float *weights, float *sums
 
 static void *run_units(void *arg) {
     Work *w = arg;
-    int64_t longest = 0;
-    for (int64_t unit = w->first; unit < w->end; unit++) {
-        const int64_t length = w->lengths[unit / w->kv_heads];
-        longest = length > longest ? length : longest;
-    }
+    const int64_t longest = span_longest(&w->span, w->lengths, w->kv_heads);
     const int64_t dim = w->k_dim > w->v_dim ? w->k_dim : w->v_dim;
     float *weights = malloc(sizeof(float) * (size_t)(longest * w->repeats + w->repeats * w->v_dim + dim));
     if (weights == NULL) {
-        w->status = -1;
+        w->span.status = -1;
         return NULL;
     }
     float *sums = weights + longest * w->repeats, *line = sums + w->repeats * w->v_dim;
-    for (int64_t unit = w->first; unit < w->end; unit++) attend_unit(w, unit, weights, sums, line);
+    for (int64_t unit = w->span.first; unit < w->span.end; unit++) attend_unit(w, unit, weights, sums, line);
     free(weights);
-    w->status = 0;
+    w->span.status = 0;
     return NULL;
 }
 
-/* All rows' attention, the (row, KV head) units split into `threads` runs of about equal
- * numbers of lines (the calling thread runs the first). Returns 0, or -1 for arguments it does
- * not take or when memory or a thread could not be had (the output is then incomplete). */
+/* All rows' attention, split over `threads` as decode_attention.c's (spans.h). Returns 0, or -1
+ * for arguments it does not take or when memory or a thread could not be had. */
 int decode_attention_quantized(int rows, const float *const *q, const uint8_t *const *kq,
                                const float *const *ks, const float *const *kb,
                                const uint8_t *const *vq, const float *const *vs,
@@ -118,40 +113,13 @@ int decode_attention_quantized(int rows, const float *const *q, const uint8_t *c
                                const int64_t *vq_stride, const int64_t *vg_stride, int kv_heads,
                                int repeats, int k_dim, int v_dim, int bits, int group_size,
                                float scale, float *out, int threads) {
-    enum { MAX_THREADS = 16 };
     if (repeats > MAX_REPEATS || k_dim % LANES || threads < 1 || (bits != 8 && bits != 4) ||
         group_size % LANES || k_dim % group_size || v_dim % group_size)
         return -1;
-    threads = threads > MAX_THREADS ? MAX_THREADS : threads;
-    const int64_t units = (int64_t)rows * kv_heads;
-    int64_t lines = 0;
-    for (int row = 0; row < rows; row++) lines += lengths[row] * kv_heads;
     Work work[MAX_THREADS];
-    pthread_t helpers[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    int64_t unit = 0, done_lines = 0;
-    for (int i = 0; i < threads; i++) {
-        work[i] = (Work){q,         kq,        vq,        ks,       kb,       vs,    vb,
-                         lengths,   kq_stride, kg_stride, vq_stride, vg_stride, kv_heads, repeats,
-                         k_dim,     v_dim,     bits,      group_size, scale,  out,   unit,
-                         unit,      -1};
-        const int64_t target = lines * (i + 1) / threads;
-        while (unit < units && (i == threads - 1 || done_lines < target)) {
-            done_lines += lengths[unit / kv_heads];
-            unit++;
-        }
-        work[i].end = unit;
-    }
-    for (int i = 1; i < threads; i++)
-        if (work[i].first < work[i].end)
-            started[i] = pthread_create(&helpers[i], NULL, run_units, &work[i]) == 0;
-    run_units(&work[0]);
-    int status = work[0].status;
-    for (int i = 1; i < threads; i++) {
-        if (work[i].first >= work[i].end) continue;
-        if (started[i]) pthread_join(helpers[i], NULL);
-        else run_units(&work[i]);
-        status = work[i].status ? work[i].status : status;
-    }
-    return status;
+    for (int i = 0; i < MAX_THREADS; i++)
+        work[i] = (Work){{0, 0, -1}, q, kq, vq, ks, kb, vs, vb, lengths, kq_stride, kg_stride,
+                         vq_stride, vg_stride, kv_heads, repeats, k_dim, v_dim, bits, group_size,
+                         scale, out};
+    return run_spans(work, sizeof(Work), threads, rows, lengths, kv_heads, run_units);
 }
