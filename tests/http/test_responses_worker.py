@@ -1,6 +1,7 @@
-"""`previous_response_id` on the real worker and model: a follow-up sends only its new input and resumes
-the previous response's KV, two follow-ups of one response branch, and the KV follows the conversation
-to another worker after the first one stopped (the store and the records outlive any process)."""
+"""`previous_response_id` and `conversation` on the real worker and model: a follow-up sends only its new
+input and resumes the previous response's KV, two follow-ups of one response branch, a conversation's
+second turn resumes its first, and the KV follows the conversation to another worker after the first
+one stopped (the store and the records outlive any process)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,19 @@ def test_follow_ups_resume_the_previous_response_on_any_worker(
             assert branch.usage is not None
             assert branch.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
             assert branch.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        conversation = client.conversations.create(
+            items=[{"type": "message", "role": "user", "content": "My name is Ada."}]
+        )
+        turns = [
+            client.responses.create(
+                model=MODEL, conversation=conversation.id, input=words, max_output_tokens=4, temperature=0
+            )
+            for words in ("Hello!", "What is my name?")
+        ]
+        assert turns[0].usage is not None and turns[1].usage is not None
+        assert turns[1].usage.input_tokens_details.cached_tokens >= turns[0].usage.input_tokens
+        items = client.conversations.items.list(conversation.id, order="asc").data
+        assert len(items) == 5  # the item it began with, then each turn's input and answer
     finally:
         first_worker.terminate()
     second_worker = WorkerProcess(redis.url, path, name="responses-b").start()
