@@ -58,6 +58,7 @@ class HeldJob:
     source: Future[AgentCache | None] | None = None
     stored_messages: int = 0  # of request.messages, those the stored conversation gave (the rest: the job's)
     result: dict[str, Any] | None = None  # the finished job's result, built once
+    local_prefix: AgentCache | None = None  # an agent-less job's match in this worker's recent caches
 
     @property
     def id(self) -> str:

@@ -82,6 +82,7 @@ from worker.outcomes import COUNTERS, Canceled, Failed, Finished, HandedBack, Ou
 from worker.ports import Engine, Store
 from worker.prompts import PromptError, prompt_tokens
 from worker.publisher import Publisher
+from worker.recent_prefixes import RecentPrefixes
 from worker.results import answer_finish_reason, build_result, cache_label, job_observations
 from worker.scheduled import ScheduledJobs
 from worker.scheduler import Scheduler
@@ -132,8 +133,11 @@ class WorkerLoop:
         self.latency = LatencyHistograms()
         self.ending: deque[tuple[HeldJob, Outcome]] = deque()
         self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
-        #: Jobs without an agent resume from (and feed) the shared prefixes of their namespace.
+        #: Jobs without an agent resume from (and feed) the shared prefixes of their namespace, and the
+        #: whole caches recent ones left in this worker's memory (token-granular).
         self.prefix_reuse = store is not None and settings.prefix_cache_mb != 0
+        recent_bytes = int(settings.recent_prefix_mb * 1024 * 1024)
+        self.recent = RecentPrefixes(recent_bytes) if recent_bytes > 0 else None
         self.draining = False
         self.force_stop = False
         self.drain_deadline = 0.0
@@ -412,19 +416,39 @@ class WorkerLoop:
     def _prefix_ready(self, held: HeldJob) -> bool:
         """A job without an agent: start reading the longest prefix of its prompt any earlier job of its
         namespace stored; True once read (a failed read is a miss: it prefills)."""
-        if not self.prefix_reuse:
-            return True
-        assert self.store is not None
         if held.cache is None:
+            local = (
+                None if self.recent is None else self.recent.longest(held.prompt_tokens, self._tenant(held))
+            )
+            block = self.engine.spec.block_tokens
+            full = len(held.prompt_tokens) // block * block  # the most the store's full blocks can give
+            if local is not None and local.n_tokens >= full or not self.prefix_reuse:
+                held.cache = Future()
+                held.cache.set_result(local)
+                return True
+            assert self.store is not None
             try:
                 held.cache = self.store.prefetch_prefix(held.prompt_tokens, namespace=self._namespace(held))
             except Exception:
                 log.exception("job %s: reading a shared prefix failed: prefilling", held.id)
+                held.cache = Future()
+                held.cache.set_result(local)
                 return True
+            held.local_prefix = local
         if not held.cache.done():
             self._waiting(held, "a shared prefix (reading)")
             return False
+        if held.local_prefix is not None:
+            stored = self._prefetched(held, held.cache)
+            if stored is None or stored.n_tokens < held.local_prefix.n_tokens:
+                held.cache = Future()
+                held.cache.set_result(held.local_prefix)
+            held.local_prefix = None
         return True
+
+    def _tenant(self, held: HeldJob) -> str:
+        """The job's namespace in full (the worker's, narrowed by the job's own)."""
+        return self._namespace(held) or self.settings.namespace
 
     def _namespace(self, held: HeldJob) -> str | None:
         """The tenant of the job's reuse: the worker's, narrowed by the job's own field (never wider)."""
@@ -524,7 +548,10 @@ class WorkerLoop:
         return "the engine refused the request"
 
     def _engine_submit(self, held: HeldJob, cache: AgentCache | None) -> int:
-        keep_cache = self.store is not None and (held.agent_id is not None or self.prefix_reuse)
+        if held.agent_id is not None:
+            keep_cache = self.store is not None
+        else:
+            keep_cache = self.prefix_reuse or self.recent is not None
         return self.engine.submit(
             held.agent_id, held.prompt_tokens, held.sampling, cache=cache, keep_cache=keep_cache
         )
@@ -673,7 +700,11 @@ class WorkerLoop:
     def _save_prefix(self, held: HeldJob, cache: AgentCache | None) -> None:
         """Keep a finished agent-less job's full blocks for the next job with the same prefix (best
         effort: the write happens behind, and a failure only costs a later job its reuse)."""
-        if cache is None or self.store is None or not self.prefix_reuse:
+        if cache is None:
+            return
+        if self.recent is not None:
+            self.recent.add(cache, self._tenant(held))
+        if self.store is None or not self.prefix_reuse:
             return
         try:
             self.store.put_prefix(cache, namespace=self._namespace(held))

@@ -14,10 +14,12 @@ if TYPE_CHECKING:
     from engine.core.blocks import AgentCache, BlockPool
     from engine.core.params import SamplingParams
     from engine.core.results import Completion, StepOutput
+    from engine.core.spec import ModelCacheSpec
 
 
 class Engine(Protocol):
     pool: BlockPool
+    spec: ModelCacheSpec
     tokenizer: Any
     vocab_size: int  # 0 when unknown
 

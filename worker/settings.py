@@ -45,6 +45,12 @@ class WorkerSettings(BaseSettings):
         description="store budget for the prefixes of jobs without an agent, reused by later jobs "
         "(MB; default a quarter of store_max_mb, else 1024; 0: jobs without an agent reuse nothing)",
     )
+    recent_prefix_mb: float = Field(
+        default=256,
+        ge=0,
+        description="worker memory for the whole caches of recent jobs without an agent, reused token by "
+        "token (the store keeps full blocks only; 0: off)",
+    )
     namespace: str = Field(
         default="default",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$",

@@ -198,7 +198,7 @@ def test_continue_travels_as_continue_on_the_wire() -> None:
 
 
 def test_a_job_without_an_agent_resumes_the_prefix_an_earlier_one_left() -> None:
-    h = Harness()
+    h = Harness(recent_prefix_mb=0)  # the store's full blocks alone (another worker's view)
     history = [user("a long shared system prompt " * 4), {"role": "assistant", "content": "ok"}]
     first = run(h, {"messages": history}).result()
     second = run(h, {"messages": [*history, user("next")]}).result()
@@ -208,7 +208,7 @@ def test_a_job_without_an_agent_resumes_the_prefix_an_earlier_one_left() -> None
 
 
 def test_a_tenant_never_reuses_another_tenants_prefix() -> None:
-    h = Harness()
+    h = Harness(recent_prefix_mb=0)
     history = [user("the same words in two tenants " * 3)]
     run(h, {"messages": history, "namespace": "acme"})
     other = run(h, {"messages": history, "namespace": "globex"}).result()
@@ -225,7 +225,7 @@ def test_an_agents_puts_carry_the_jobs_namespace() -> None:
 
 
 def test_prefix_reuse_off_keeps_nothing() -> None:
-    h = Harness(prefix_cache_mb=0)
+    h = Harness(prefix_cache_mb=0, recent_prefix_mb=0)
     run(h, {"messages": [user("words " * 10)]})
     again = run(h, {"messages": [user("words " * 10)]}).result()
     assert again.usage.reused_tokens == 0 and h.store.prefixes == {}
