@@ -13,7 +13,7 @@ import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +29,7 @@ from store.errors import (
     BACKEND_ERROR,
     DAMAGE,
     MISSING_BLOCK,
+    NAMESPACE_MISMATCH,
     NO_COMMON_PREFIX,
     UNEXPECTED,
     BadCacheError,
@@ -49,6 +50,25 @@ BUDGET_RESCAN_S = 5.0
 
 Blob = bytes | bytearray | memoryview
 DEFAULT_NAMESPACE = "default"
+# Anonymous prefixes (get_prefix / put_prefix) are held under their own budget: by default a quarter of
+# the store's max_bytes, or this much in a store without one; 0 turns them off.
+DEFAULT_PREFIX_BYTES = 1024 * 1024 * 1024
+# A prefix touched at time t records block i at t - i * _DEPTH_STEP_S: a block is never less recent
+# than the blocks after it, so LRU eviction takes a run's tail first and never strands a tail.
+_DEPTH_STEP_S = 1e-6
+PREFIX_LABEL = "(prefix)"  # stands for the agent id in logs of anonymous prefix reads
+
+
+def check_namespace(namespace: object) -> str:
+    """Return `namespace` if it is a valid tenant name (1 to 200 characters), else raise ValueError."""
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= 200:
+        raise ValueError(f"namespace must be a string of 1 to 200 characters, got {namespace!r}")
+    return namespace
+
+
+def prefix_recency(now: float, depth: int) -> float:
+    """The last-used time recorded for the block at `depth` of a prefix touched at `now`."""
+    return now - depth * _DEPTH_STEP_S
 
 
 def check_fence(fence: object) -> None:
@@ -77,6 +97,26 @@ class Usage:
     # freed with their last user.
     shared: tuple[tuple[str, int], ...] = ()
     pinned: bool = False  # never evicted
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    """One block held for anonymous prefixes, as the prefix budget sees it."""
+
+    name: str  # the shared block's name, `{share}.{crc32:08x}`
+    nbytes: int
+    last_used: float
+    agents: int  # how many agents link it besides the prefix hold (0: the budget may evict it)
+    part_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixWrite:
+    """What a backend did for one put_prefix."""
+
+    held: int = 0  # blocks found stored (a lookup, no encode or write), now held
+    written: int = 0  # blocks encoded and written
+    bytes_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,12 +181,21 @@ class BlockBackend(ABC):
         group_size: int = 64,
         max_bytes: int | None = None,
         namespace: str = DEFAULT_NAMESPACE,
+        prefix_max_bytes: int | None = None,
     ) -> None:
-        if not isinstance(namespace, str) or not 0 < len(namespace) <= 200:
-            raise ValueError(f"namespace must be a string of 1 to 200 characters, got {namespace!r}")
+        check_namespace(namespace)
         quant.check_quantization(quantization, group_size, layered_codec.head_dims(spec))
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if prefix_max_bytes is None:
+            prefix_max_bytes = DEFAULT_PREFIX_BYTES if max_bytes is None else max_bytes // 4
+        if prefix_max_bytes < 0:
+            raise ValueError(
+                f"prefix_max_bytes must be >= 0 (0: no anonymous prefixes), got {prefix_max_bytes}"
+            )
+        self.prefix_max_bytes = prefix_max_bytes
+        self._prefix_estimate = 0
+        self._prefix_last_scan = -float("inf")
         self.spec = spec
         self.namespace = namespace
         self.quantization = quantization
@@ -172,8 +221,11 @@ class BlockBackend(ABC):
 
     # --- the rest of CacheStore, per backend --------------------------------------------------------
     @abstractmethod
-    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
-        """Store the cache; False (nothing written) if `fence` is lower than the stored one."""
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> bool:
+        """Store the cache, its full blocks in `namespace`'s shared area (None: the store's); False
+        (nothing written) if `fence` is lower than the stored one."""
 
     @abstractmethod
     def delete(self, agent_id: str) -> bool: ...
@@ -196,22 +248,32 @@ class BlockBackend(ABC):
     def close(self) -> None: ...
 
     # --- reads ---------------------------------------------------------------------------------
-    def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
+    def effective_namespace(self, namespace: str | None) -> str:
+        """The namespace a call works in: its own, or the store's."""
+        return self.namespace if namespace is None else check_namespace(namespace)
+
+    def get(
+        self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None, namespace: str | None = None
+    ) -> AgentCache | None:
         validate_agent_id(agent_id)
+        namespace = self.effective_namespace(namespace)
         self._stats.add("gets")
-        cache = self._own_cache(agent_id, prompt_tokens)
+        cache = self._own_cache(agent_id, prompt_tokens, namespace)
         if prompt_tokens is not None:
-            warm = self._warm_start(agent_id, prompt_tokens, 0 if cache is None else cache.n_tokens)
+            have = 0 if cache is None else cache.n_tokens
+            warm = self._warm_start(agent_id, prompt_tokens, have, namespace)
             if warm is not None:
                 self._stats.add("cross_agent_hits")
                 cache = warm
         self._stats.add("hits" if cache is not None else "misses")
         return cache
 
-    def _own_cache(self, agent_id: str, prompt_tokens: Sequence[int] | None) -> AgentCache | None:
+    def _own_cache(
+        self, agent_id: str, prompt_tokens: Sequence[int] | None, namespace: str
+    ) -> AgentCache | None:
         """The agent's own cache, or None with the reason counted (`miss_<reason>`) and logged."""
         try:
-            return self._load(agent_id, prompt_tokens)
+            return self._load(agent_id, prompt_tokens, namespace)
         except BadCacheError as exc:
             note_miss(self._stats, self.kind, agent_id, exc.reason, exc.detail)
             if exc.reason in DAMAGE and exc.manifest_blob is not None:
@@ -224,9 +286,20 @@ class BlockBackend(ABC):
         return None
 
     # --- cross-agent warm start ----------------------------------------------------------------
-    def _warm_start(self, agent_id: str, prompt_tokens: Sequence[int], have: int) -> AgentCache | None:
+    def _warm_start(
+        self, agent_id: str, prompt_tokens: Sequence[int], have: int, namespace: str
+    ) -> AgentCache | None:
         """The longest run of full blocks of this prompt that any agent of the namespace stored,
         if it covers more than the `have` tokens the agent's own cache gives; else None."""
+        found = self._shared_run(agent_id, prompt_tokens, have, namespace)
+        return None if found is None else found[0]
+
+    def _shared_run(
+        self, label: str, prompt_tokens: Sequence[int], have: int, namespace: str
+    ) -> tuple[AgentCache, tuple[BlockRef, ...]] | None:
+        """The longest run of full blocks of the prompt in the namespace's shared area, decoded, with
+        the blocks it read, if it covers more than `have` tokens; else None. A damaged block ends the
+        run (counted in `prefix_damaged`, and dropped if only the prefix budget holds it)."""
         if not self.spec.all_full_attention:
             return None  # windows and checkpoints make a resume point more than a token prefix
         block_tokens = self.spec.block_tokens
@@ -238,39 +311,46 @@ class BlockBackend(ABC):
         layouts = [""] * n_full  # every full block of a plain model holds all its layers' tokens
         try:
             chains = chain_keys(self.spec, self.quantization, self.group_size, tokens.tolist(), layouts)
-            found = self._find_shared(share_keys(chains, self.namespace, self.part_bytes))
+            found = self._find_shared(share_keys(chains, namespace, self.part_bytes))
             if len(found) * block_tokens <= have:
                 return None
             refs = tuple(
                 BlockRef(name, chain, block_tokens, nbytes, crc)
                 for (name, nbytes, crc), chain in zip(found, chains, strict=False)
             )
-            covered = len(refs) * block_tokens
             manifest = Manifest(
-                agent_id=agent_id,
+                agent_id=label,
                 spec=self.spec,
                 quantization=self.quantization,
                 group_size=self.group_size,
-                token_ids=tokens[:covered],
+                token_ids=tokens[: len(refs) * block_tokens],
                 blocks=refs,
                 generation="",
                 created=0.0,
                 part_bytes=self.part_bytes,
             )
             fetched = self._fetch_shared(manifest)
-            if any(f is None for f in fetched):
-                return None  # collected while we read: prefill instead
-            present = [f for f in fetched if f is not None]
-            blocks = [decode_block(b, r, manifest, crc=c) for (b, c), r in zip(present, refs, strict=True)]
-        except BadCacheError as exc:
-            log.warning("%s: a shared block for agent %r is unusable: %s", self.kind, agent_id, exc)
-            return None
         except self._io_errors() as exc:
-            log.warning("%s: could not read shared blocks for agent %r: %r", self.kind, agent_id, exc)
+            log.warning("%s: could not read shared blocks for %r: %r", self.kind, label, exc)
             return None
+        blocks = []
+        for ref, got in zip(refs, fetched, strict=True):
+            if got is None:
+                break  # collected while we read: the run ends here
+            try:
+                blocks.append(decode_block(got[0], ref, manifest, crc=got[1]))
+            except BadCacheError as exc:
+                log.warning("%s: a shared block read for %r is unusable: %s", self.kind, label, exc)
+                self._stats.add("prefix_damaged")
+                self._drop_damaged_prefix(ref)
+                break
+        covered = len(blocks) * block_tokens
+        if covered <= have:
+            return None
+        refs = refs[: len(blocks)]
         self._stats.add("bytes_read", sum(ref.nbytes for ref in refs))
-        log.debug("%s: agent %r warm-starts from %d shared tokens", self.kind, agent_id, covered)
-        return AgentCache(self.spec, tokens[:covered].tolist(), blocks)
+        log.debug("%s: %r starts from %d shared tokens", self.kind, label, covered)
+        return AgentCache(self.spec, tokens[:covered].tolist(), blocks), refs
 
     @abstractmethod
     def _find_shared(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int]]:
@@ -308,13 +388,13 @@ class BlockBackend(ABC):
     def _remove_if_manifest_is(self, agent_id: str, manifest_blob: bytes) -> bool:
         """Atomically delete the agent's cache if its manifest still holds exactly these bytes."""
 
-    def _load(self, agent_id: str, prompt_tokens: Sequence[int] | None) -> AgentCache:
+    def _load(self, agent_id: str, prompt_tokens: Sequence[int] | None, namespace: str) -> AgentCache:
         for _attempt in range(_READ_ATTEMPTS):
             blob = self._read_manifest(agent_id)
             if blob is None:
                 raise BadCacheError(ABSENT, "no cache stored")
             try:
-                return self._load_from(agent_id, blob, prompt_tokens)
+                return self._load_from(agent_id, blob, prompt_tokens, namespace)
             except _Rewritten:
                 continue
             except BadCacheError as exc:
@@ -322,8 +402,14 @@ class BlockBackend(ABC):
                 raise
         raise BadCacheError(MISSING_BLOCK, f"cache kept changing during {_READ_ATTEMPTS} reads")
 
-    def _load_from(self, agent_id: str, blob: Blob, prompt_tokens: Sequence[int] | None) -> AgentCache:
+    def _load_from(
+        self, agent_id: str, blob: Blob, prompt_tokens: Sequence[int] | None, namespace: str
+    ) -> AgentCache:
         manifest = decode_manifest(blob, agent_id, self.spec)
+        if (manifest.namespace or self.namespace) != namespace:  # "": written before it was recorded
+            raise BadCacheError(
+                NAMESPACE_MISMATCH, f"stored by namespace {manifest.namespace!r}, not {namespace!r}"
+            )
         n_tokens = shared_prefix(manifest.token_ids, prompt_tokens)
         if n_tokens == 0 and manifest.n_tokens > 0:
             raise BadCacheError(NO_COMMON_PREFIX, "the prompt shares no token with the cache")
@@ -387,21 +473,30 @@ class BlockBackend(ABC):
         return fence
 
     def plan_write(
-        self, agent_id: str, cache: AgentCache, previous: Manifest | None, *, fence: int = 0
+        self,
+        agent_id: str,
+        cache: AgentCache,
+        previous: Manifest | None,
+        *,
+        fence: int = 0,
+        namespace: str | None = None,
     ) -> WritePlan:
-        """Encode the blocks `previous` does not already hold; keep (by reference) those it does."""
+        """Encode the blocks `previous` does not already hold; keep (by reference) those it does.
+        Full blocks go to `namespace`'s shared area (None: the store's)."""
+        namespace = self.effective_namespace(namespace)
         cache.validate(self.spec)
         generation = new_generation()
         layouts = [block.layout() for block in cache.blocks]  # a window or checkpoint makes another block
         chains = chain_keys(self.spec, self.quantization, self.group_size, cache.token_ids, layouts)
         reusable: dict[tuple[str, int], BlockRef] = {}
-        if previous is not None and (previous.quantization, previous.group_size, previous.part_bytes) == (
-            self.quantization,
-            self.group_size,
-            self.part_bytes,
-        ):
+        if previous is not None and (
+            previous.quantization,
+            previous.group_size,
+            previous.part_bytes,
+            previous.namespace or self.namespace,
+        ) == (self.quantization, self.group_size, self.part_bytes, namespace):
             reusable = {(ref.chain, ref.n_tokens): ref for ref in previous.blocks}
-        shares = share_keys(chains, self.namespace, self.part_bytes)
+        shares = share_keys(chains, namespace, self.part_bytes)
         slots: list[BlockRef | NewBlock] = []
         for block, chain, share, layout in zip(cache.blocks, chains, shares, layouts, strict=True):
             kept = reusable.get((chain, block.n_tokens))
@@ -424,7 +519,7 @@ class BlockBackend(ABC):
             created=time.time(),
             fence=fence,
             part_bytes=self.part_bytes,
-            namespace=self.namespace,
+            namespace=namespace,
             conversation=cache.conversation,
         )
         return WritePlan(draft, slots)
@@ -441,6 +536,124 @@ class BlockBackend(ABC):
         self._stats.add("bytes_written", manifest_bytes + written)
         self._stats.add("bytes_saved", saved)
         return manifest_bytes + written
+
+    # --- anonymous prefixes --------------------------------------------------------------------
+    def get_prefix(self, prompt_tokens: Sequence[int], *, namespace: str | None = None) -> AgentCache | None:
+        """The longest run of full blocks of the prompt that any job of the namespace stored (with or
+        without an agent), or None. A hit makes those blocks the most recently used prefix blocks.
+        Never raises for stored data: a damaged block ends the run (`prefix_damaged`)."""
+        namespace = self.effective_namespace(namespace)
+        self._stats.add("prefix_gets")
+        found = None
+        if self.prefix_max_bytes > 0:
+            found = self._shared_run(PREFIX_LABEL, prompt_tokens, 0, namespace)
+        if found is None:
+            self._stats.add("prefix_misses")
+            return None
+        cache, refs = found
+        try:
+            self._touch_prefix([(ref.name, ref.nbytes) for ref in refs], time.time())
+        except self._io_errors() as exc:  # the blocks are good: only their recency is stale
+            log.debug("%s: could not record the use of a prefix: %r", self.kind, exc)
+        self._stats.add("prefix_hits")
+        self._stats.add("prefix_tokens", cache.n_tokens)
+        return cache
+
+    def put_prefix(self, cache: AgentCache, *, namespace: str | None = None) -> bool:
+        """Hold the cache's full blocks in the namespace's shared area for later jobs, without an agent.
+
+        A block some job stored already costs a lookup (it is only held and made recent); the others
+        are encoded and written. Held blocks no agent links are evicted least recently used first to
+        stay under `prefix_max_bytes`; blocks agents link count toward `max_bytes` and are never
+        evicted by this budget. False when nothing is held (no full block, windowed model, budget 0).
+        """
+        namespace = self.effective_namespace(namespace)
+        cache.validate(self.spec)
+        if self.prefix_max_bytes == 0 or not self.spec.all_full_attention:
+            return False
+        block_tokens = self.spec.block_tokens
+        n_full = 0
+        for block in cache.blocks:
+            if block.n_tokens != block_tokens or block.layout() != "":
+                break
+            n_full += 1
+        if n_full == 0:
+            return False
+        tokens = cache.token_ids[: n_full * block_tokens]
+        chains = chain_keys(self.spec, self.quantization, self.group_size, tokens, [""] * n_full)
+        shares = share_keys(chains, namespace, self.part_bytes)
+
+        def encode(index: int) -> EncodedBlock:
+            return encode_block(cache.blocks[index], self.spec, self.quantization, self.group_size)
+
+        done = self._store_prefix(shares, encode, time.time())
+        self._stats.add("prefix_puts")
+        self._stats.add("prefix_blocks_held", done.held)
+        self._stats.add("prefix_blocks_written", done.written)
+        self._stats.add("prefix_bytes_written", done.bytes_written)
+        self._after_prefix_put(done.bytes_written)
+        return True
+
+    @abstractmethod
+    def _store_prefix(
+        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
+    ) -> PrefixWrite:
+        """Hold the shared block of each share key (in order, block i recorded at prefix_recency(now, i)):
+        a stored version is held as it is, the others are `encode(i)`d and written first."""
+
+    @abstractmethod
+    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
+        """Make these (name, bytes) blocks, a run from the start, the most recently used prefix blocks
+        (where the prefix budget holds them)."""
+
+    @abstractmethod
+    def _prefix_entries(self) -> builtins.list[PrefixEntry]:
+        """Every block held for anonymous prefixes, with how many agents link it."""
+
+    @abstractmethod
+    def _evict_prefix(self, entry: PrefixEntry) -> bool:
+        """Drop the prefix hold on a block and delete it, atomically, unless an agent links it
+        (checked at that moment); False if it was kept or already gone."""
+
+    def _drop_damaged_prefix(self, ref: BlockRef) -> None:
+        """A shared block that failed its checks: drop it if only the prefix budget holds it, so the
+        next put_prefix writes it again (agents that link it find it damaged themselves)."""
+        try:
+            self._evict_prefix(PrefixEntry(ref.name, ref.nbytes, 0.0, 0, self.part_bytes))
+        except self._io_errors() as exc:
+            log.warning("%s: could not drop the damaged shared block %s: %r", self.kind, ref.name, exc)
+
+    def _after_prefix_put(self, nbytes: int) -> None:
+        """Evict prefix blocks if they may be over budget (else a full scan at most every few seconds)."""
+        self._prefix_estimate += nbytes
+        stale = time.monotonic() - self._prefix_last_scan > BUDGET_RESCAN_S
+        if stale or self._prefix_estimate > self.prefix_max_bytes:
+            self.enforce_prefix_budget()
+
+    def enforce_prefix_budget(self) -> int:
+        """Evict held prefix blocks that no agent links, least recently used first, until those fit
+        prefix_max_bytes. Returns how many were evicted."""
+        entries = sorted((e for e in self._prefix_entries() if e.agents == 0), key=lambda e: e.last_used)
+        total = sum(entry.nbytes for entry in entries)
+        evicted = 0
+        for entry in entries:
+            if total <= self.prefix_max_bytes:
+                break
+            if self._evict_prefix(entry):
+                evicted += 1
+                self._stats.add("prefix_evictions")
+                self._stats.add("prefix_evicted_bytes", entry.nbytes)
+            total -= entry.nbytes  # evicted, or linked by an agent meanwhile: out of this budget either way
+        if evicted:
+            log.info(
+                "%s: evicted %d prefix blocks to stay under %d bytes",
+                self.kind,
+                evicted,
+                self.prefix_max_bytes,
+            )
+        self._prefix_estimate = total
+        self._prefix_last_scan = time.monotonic()
+        return evicted
 
     # --- budgets -------------------------------------------------------------------------------
     @abstractmethod

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from engine.core.blocks import AgentCache
-from store.errors import ABSENT, MISS_REASONS, NO_COMMON_PREFIX
+from store.errors import ABSENT, MISS_REASONS, NAMESPACE_MISMATCH, NO_COMMON_PREFIX
 
 log = logging.getLogger("kvrq.store")
 
@@ -39,17 +39,31 @@ class CacheInfo:
 
 @runtime_checkable
 class CacheStore(Protocol):
-    def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
-        """The agent's cache, or None on a miss (absent, corrupt, another spec).
+    def get(
+        self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None, namespace: str | None = None
+    ) -> AgentCache | None:
+        """The agent's cache, or None on a miss (absent, corrupt, another spec, another namespace).
 
-        With `prompt_tokens`, only the longest prefix shared with that prompt is
-        returned (and only its blocks are read); None if nothing is shared.
+        With `prompt_tokens`, only the longest prefix shared with that prompt is returned (and only
+        its blocks are read); None if nothing is shared. `namespace`: the tenant whose shared blocks
+        the call may use (None: the store's own); a cache stored by another namespace is a miss.
         """
         ...
 
-    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> object:
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> object:
         """Store the cache. Backends return whether it was written (False: a stale fence);
         the hot tier returns a Future of that, resolved once the write is durable."""
+        ...
+
+    def get_prefix(self, prompt_tokens: Sequence[int], *, namespace: str | None = None) -> AgentCache | None:
+        """The longest run of full blocks of the prompt that any job of the namespace stored, or None."""
+        ...
+
+    def put_prefix(self, cache: AgentCache, *, namespace: str | None = None) -> object:
+        """Offer the cache's full blocks to later jobs of the namespace, without an agent (LRU budget).
+        Backends return whether anything is held; the hot tier a Future of that."""
         ...
 
     def delete(self, agent_id: str) -> bool: ...
@@ -100,6 +114,18 @@ BACKEND_COUNTERS = (
     "shared_collected",
     "expired",
     "discarded",
+    # anonymous prefixes (get_prefix / put_prefix)
+    "prefix_gets",
+    "prefix_hits",
+    "prefix_misses",
+    "prefix_tokens",
+    "prefix_puts",
+    "prefix_blocks_written",
+    "prefix_blocks_held",
+    "prefix_bytes_written",
+    "prefix_evictions",
+    "prefix_evicted_bytes",
+    "prefix_damaged",
 )
 
 
@@ -113,7 +139,7 @@ def note_miss(stats: Stats, name: str, agent_id: str, reason: str, detail: str) 
     """Count and log why an agent's own cache could not be used: a missing one quietly, anything
     else as a warning. (The get may still return a cache: a cross-agent warm start.)"""
     stats.add(f"miss_{reason}")
-    if reason in (ABSENT, NO_COMMON_PREFIX):
+    if reason in (ABSENT, NO_COMMON_PREFIX, NAMESPACE_MISMATCH):
         log.debug("%s: cache miss for agent %r: %s (%s)", name, agent_id, reason, detail)
     else:
         log.warning(

@@ -7,6 +7,9 @@ Layout under the root (docs/store-format.md):
     agents/<key[:2]>/<key>/manifest.safetensors
     agents/<key[:2]>/<key>/blocks/<chain>.<generation>.safetensors
     agents/<key[:2]>/<key>/pinned        present while the agent is pinned (no budget, no TTL)
+    shared/<share[:2]>/<share>/<crc32>.safetensors      the index of shared (full) blocks
+    prefixes/<name[:2]>/<name>.safetensors  a shared block held for anonymous prefixes (a hard link;
+                                         its mtime is its last use)
 
 `<key>` is a hash of the agent id, so no id can name a path. Every file is written
 to a temporary name, fsynced, then renamed; the manifest goes last, so readers see
@@ -26,15 +29,26 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
-from store.backend import DEFAULT_NAMESPACE, Blob, BlockBackend, NewBlock, Usage, check_fence
+from store.backend import (
+    DEFAULT_NAMESPACE,
+    Blob,
+    BlockBackend,
+    NewBlock,
+    PrefixEntry,
+    PrefixWrite,
+    Usage,
+    check_fence,
+    prefix_recency,
+)
 from store.base import CacheInfo, log
+from store.block_codec import EncodedBlock
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import map_parallel, submit
@@ -55,6 +69,7 @@ MANIFEST = "manifest.safetensors"
 PIN = "pinned"
 _SUFFIX = ".safetensors"
 _IOV_MAX = 512  # pieces per writev call (the OS limit is 1024 on Linux)
+_STALE_TEMP_S = 3600.0  # a prefix writer's temp file this old was left by a crash
 
 
 class DiskStore(BlockBackend):
@@ -71,9 +86,15 @@ class DiskStore(BlockBackend):
         ttl_s: float | None = None,
         fsync: bool = True,
         namespace: str = DEFAULT_NAMESPACE,
+        prefix_max_bytes: int | None = None,
     ) -> None:
         super().__init__(
-            spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes, namespace=namespace
+            spec,
+            quantization=quantization,
+            group_size=group_size,
+            max_bytes=max_bytes,
+            namespace=namespace,
+            prefix_max_bytes=prefix_max_bytes,
         )
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -83,6 +104,7 @@ class DiskStore(BlockBackend):
         self._agents = self.root / "agents"
         self._locks = self.root / "locks"
         self._shared = self.root / "shared"
+        self._prefixes = self.root / "prefixes"
         self._open_root()
 
     def _open_root(self) -> None:
@@ -102,6 +124,7 @@ class DiskStore(BlockBackend):
         self._agents.mkdir(exist_ok=True)
         self._locks.mkdir(exist_ok=True)
         self._shared.mkdir(exist_ok=True)
+        self._prefixes.mkdir(exist_ok=True)
 
     # --- paths ---------------------------------------------------------------------------------
     def _dir(self, key: str) -> Path:
@@ -171,26 +194,36 @@ class DiskStore(BlockBackend):
     def _find_shared(self, shares: Sequence[str]) -> list[tuple[str, int, int]]:
         found = []
         for share in shares:
-            directory = self._shared / share[:2] / share
-            try:
-                versions = sorted(name for name in os.listdir(directory) if _is_version(name))
-                size = (directory / versions[0]).stat().st_size if versions else 0
-            except FileNotFoundError:
-                break  # never stored, or collected a moment ago
-            if not versions:
+            version = self._version(share)
+            if version is None:
                 break
-            crc = int(versions[0].removesuffix(_SUFFIX), 16)
-            found.append((shared_name(share, crc), size, crc))
+            found.append(version)
         return found
+
+    def _version(self, share: str) -> tuple[str, int, int] | None:
+        """(name, nbytes, crc32) of a stored version of the share key; None if there is none."""
+        directory = self._shared / share[:2] / share
+        try:
+            versions = sorted(name for name in os.listdir(directory) if _is_version(name))
+            size = (directory / versions[0]).stat().st_size if versions else 0
+        except FileNotFoundError:
+            return None  # never stored, or collected a moment ago
+        if not versions:
+            return None
+        crc = int(versions[0].removesuffix(_SUFFIX), 16)
+        return shared_name(share, crc), size, crc
 
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.utime(self._agent_dir(agent_id) / MANIFEST)
 
     # --- writes --------------------------------------------------------------------------------
-    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> bool:
         key = agent_key(agent_id)
         check_fence(fence)
+        namespace = self.effective_namespace(namespace)
         cache.validate(self.spec)  # before touching the disk: a foreign cache leaves no trace
         directory = self._dir(key)
         blocks_dir = directory / "blocks"
@@ -201,7 +234,7 @@ class DiskStore(BlockBackend):
                 return False
             _make_dirs(blocks_dir, fsync=self.fsync)
             previous = self._previous(agent_id, current, blocks_dir)
-            plan = self.plan_write(agent_id, cache, previous, fence=new_fence)
+            plan = self.plan_write(agent_id, cache, previous, fence=new_fence, namespace=namespace)
             linked = self._write_blocks(blocks_dir, plan.new_blocks)
             manifest = plan.manifest()
             manifest_blob = encode_manifest(manifest)
@@ -360,6 +393,122 @@ class DiskStore(BlockBackend):
                 os.unlink(path)
         self._release_shared(os.path.basename(path).removesuffix(_SUFFIX) for path in garbage)
 
+    # --- anonymous prefixes --------------------------------------------------------------------
+    def _hold_path(self, name: str) -> Path:
+        return self._prefixes / name[:2] / f"{name}{_SUFFIX}"
+
+    def _store_prefix(
+        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
+    ) -> PrefixWrite:
+        """Per block: hard-link the stored version into `prefixes/` (a lookup and a link), or write it
+        there and publish it to `shared/`. Links never replace a file, so concurrent writers of one
+        block keep one copy; the link count keeps counting references."""
+        held = written = nbytes = 0
+        for index, share in enumerate(shares):
+            when = prefix_recency(now, index)
+            version = self._version(share)
+            if version is not None and self._hold(version[0], when):
+                held += 1
+                continue
+            block = encode(index)
+            if self._write_hold(shared_name(share, block.crc32), block, when):
+                written += 1
+                nbytes += block.nbytes
+            else:
+                held += 1
+        return PrefixWrite(held=held, written=written, bytes_written=nbytes)
+
+    def _hold(self, name: str, when: float) -> bool:
+        """Link the stored version `name` into `prefixes/` (or find it there) and set its last use;
+        False if it is not stored (or was collected a moment ago)."""
+        hold = self._hold_path(name)
+        source = self._shared_path(name)
+        if source is None:
+            return False
+        if not hold.exists():
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, hold)
+            except FileNotFoundError:
+                return False
+            except FileExistsError:
+                pass  # another writer held it first
+        return _set_mtime(hold, when)
+
+    def _write_hold(self, name: str, block: EncodedBlock, when: float) -> bool:
+        """Write a new block into `prefixes/` and publish it to `shared/`; False if another writer's
+        copy got there first (then held as it is)."""
+        hold = self._hold_path(name)
+        hold.parent.mkdir(parents=True, exist_ok=True)
+        tmp = hold.parent / _temp_name()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, block.parts())
+            if self.fsync:
+                os.fdatasync(fd)  # agents may link it: its bytes must be durable before it is found
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, hold)  # never replaces: the copy agents may already link stays the one
+            wrote = True
+        except FileExistsError:
+            wrote = False
+        finally:
+            os.unlink(tmp)
+        _set_mtime(hold, when)
+        target = self._shared_path(name)
+        if target is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError, FileNotFoundError):
+                os.link(hold, target)
+        return wrote
+
+    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
+        for index, (name, _nbytes) in enumerate(blocks):
+            _set_mtime(self._hold_path(name), prefix_recency(now, index))
+
+    def _prefix_entries(self) -> list[PrefixEntry]:
+        entries = []
+        for shard in _scandir(self._prefixes):
+            for entry in os.scandir(shard.path):
+                name = entry.name.removesuffix(_SUFFIX)
+                try:
+                    stat = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if entry.name.startswith(".tmp-"):
+                    if time.time() - stat.st_mtime > _STALE_TEMP_S:  # a crashed writer's
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.path)
+                    continue
+                if parse_shared_name(name) is None:
+                    continue
+                entries.append(
+                    PrefixEntry(name, stat.st_size, stat.st_mtime, self._agents_linking(name, stat))
+                )
+        return entries
+
+    def _agents_linking(self, name: str, hold: os.stat_result) -> int:
+        """How many links to a held block are agents' (not the hold, not the shared index)."""
+        indexed = 0
+        path = self._shared_path(name)
+        with contextlib.suppress(FileNotFoundError):
+            indexed = int(path is not None and os.stat(path).st_ino == hold.st_ino)
+        return hold.st_nlink - 1 - indexed
+
+    def _evict_prefix(self, entry: PrefixEntry) -> bool:
+        """Unlink the hold, then collect the block if only the index links it: an agent linking it
+        at the same moment keeps its own link, so a block in use is never lost."""
+        hold = self._hold_path(entry.name)
+        try:
+            if self._agents_linking(entry.name, os.stat(hold)) > 0:
+                return False
+            os.unlink(hold)
+        except FileNotFoundError:
+            return False
+        self._release_shared([entry.name])
+        return True
+
     # --- delete, list, info, budgets -----------------------------------------------------------
     def delete(self, agent_id: str) -> bool:
         existed = self._remove(agent_key(agent_id))
@@ -477,13 +626,23 @@ class DiskStore(BlockBackend):
 
 def _ours(name: str) -> bool:
     """Names a store (or another process creating it right now) puts in its root."""
-    return name in ("agents", "locks", "shared", MARKER) or name.startswith(".tmp-")
+    return name in ("agents", "locks", "shared", "prefixes", MARKER) or name.startswith(".tmp-")
 
 
 def _is_version(name: str) -> bool:
     """A file of the shared index: `<crc32 as 8 hex digits>.safetensors`."""
     stem = name.removesuffix(_SUFFIX)
     return name.endswith(_SUFFIX) and len(stem) == 8 and all(c in "0123456789abcdef" for c in stem)
+
+
+def _set_mtime(path: Path, when: float) -> bool:
+    """Record `when` as the file's last use (its mtime); False if it is gone."""
+    stamp = int(when * 1e9)
+    try:
+        os.utime(path, ns=(stamp, stamp))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _read_all(paths: Sequence[Path]) -> list[tuple[Blob, int] | None]:

@@ -14,6 +14,7 @@ CHECKSUM = "checksum"  # a block's bytes do not match the manifest's CRC-32
 BAD_BLOCK = "bad_block"  # a block parses badly or holds other shapes/dtypes than expected
 BACKEND_ERROR = "backend_error"  # the disk or Redis call itself failed
 NO_COMMON_PREFIX = "no_common_prefix"  # the cache shares no token with the prompt asked about
+NAMESPACE_MISMATCH = "namespace_mismatch"  # stored by another namespace (tenant) than the get's
 UNEXPECTED = "unexpected_error"  # a bug or an unforeseen failure: logged with its traceback
 
 MISS_REASONS = (
@@ -28,6 +29,7 @@ MISS_REASONS = (
     BAD_BLOCK,
     BACKEND_ERROR,
     NO_COMMON_PREFIX,
+    NAMESPACE_MISMATCH,
     UNEXPECTED,
 )
 

@@ -28,6 +28,7 @@ def open_backend(
     ttl_s: int | None = None,
     prefix: str = DEFAULT_PREFIX,
     namespace: str = DEFAULT_NAMESPACE,
+    prefix_max_bytes: int | None = None,
 ) -> BlockBackend:
     """The backend named by `uri`, without a hot tier: `disk:PATH`, `redis`, `redis://...`."""
     if uri.startswith("disk:"):
@@ -42,6 +43,7 @@ def open_backend(
             max_bytes=max_bytes,
             ttl_s=ttl_s,
             namespace=namespace,
+            prefix_max_bytes=prefix_max_bytes,
         )
     if uri == "redis":
         uri = DEFAULT_REDIS_URL
@@ -55,6 +57,7 @@ def open_backend(
             ttl_s=ttl_s,
             prefix=prefix,
             namespace=namespace,
+            prefix_max_bytes=prefix_max_bytes,
         )
     shown = re.sub(r"//.*@", "//***@", uri)  # a mistyped Redis URL may hold a password: never echo it
     raise ValueError(f"unknown store URI {shown!r}: use disk:PATH, redis or redis://HOST:PORT/DB")
@@ -97,6 +100,7 @@ def open_store(
     prefix: str = DEFAULT_PREFIX,
     write_behind: bool = True,
     namespace: str = DEFAULT_NAMESPACE,
+    prefix_max_bytes: int | None = None,
 ) -> HotTierStore:
     """The store for `uri` behind a hot tier of `hot_tier_bytes` (0 keeps nothing in memory).
 
@@ -104,8 +108,10 @@ def open_store(
     `quantization` ("none", "q8", "q4", MLX affine with `group_size`) applies at rest;
     `ttl_s` expires an agent's cache that long after its last use; `prefix` namespaces
     Redis keys; `namespace` is the tenant: full blocks are stored once per namespace and an
-    agent can warm-start from another agent's prefix only within it. Call `close()` on
-    shutdown: it flushes the writes still pending.
+    agent can warm-start from another agent's prefix only within it; `prefix_max_bytes`
+    bounds the blocks held for jobs without an agent (`put_prefix`; default a quarter of
+    `max_bytes`, or 1 GiB without it; 0: none). Call `close()` on shutdown: it flushes the
+    writes still pending.
     """
     backend = open_backend(
         uri,
@@ -116,5 +122,6 @@ def open_store(
         ttl_s=ttl_s,
         prefix=prefix,
         namespace=namespace,
+        prefix_max_bytes=prefix_max_bytes,
     )
     return HotTierStore(backend, hot_tier_bytes, write_behind=write_behind)

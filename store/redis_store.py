@@ -10,6 +10,8 @@ Keys, all under one prefix (default `kvrq:cache:`), `<key>` a hash of the agent 
     <prefix>links                hash: agent id -> the shared blocks it uses, "<name>:<bytes>,..."
     <prefix>pinned               set: pinned agent ids (no budget eviction; with a TTL, their keys
                                  and those of the shared blocks they use are kept without expiry)
+    <prefix>prefixes             sorted set: shared block held for anonymous prefixes -> last used
+    <prefix>prefix-sizes         hash: such a block -> "<nbytes>:<part_bytes>"
 
 A put writes its new blocks first (pipelined, each with a provisional expiry so a
 crashed writer leaves nothing behind for long), then in one MULTI/EXEC guarded by
@@ -30,7 +32,7 @@ import dataclasses
 import random
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -41,8 +43,20 @@ from redis.exceptions import DataError, RedisError, ResponseError, WatchError
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
 from store.agent_ids import agent_key, validate_agent_id
-from store.backend import DEFAULT_NAMESPACE, Blob, BlockBackend, NewBlock, Usage, WritePlan, check_fence
+from store.backend import (
+    DEFAULT_NAMESPACE,
+    Blob,
+    BlockBackend,
+    NewBlock,
+    PrefixEntry,
+    PrefixWrite,
+    Usage,
+    WritePlan,
+    check_fence,
+    prefix_recency,
+)
 from store.base import CacheInfo, log
+from store.block_codec import EncodedBlock
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import submit
@@ -84,6 +98,9 @@ for i = 3, #KEYS do redis.call('UNLINK', KEYS[i]) end
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
 return 1
 """
+# The prefix hold: a member of a shared block's reference set that no agent id can be ('*' is outside
+# the id rule), so the refcounting that keeps a block while an agent uses it keeps it for prefixes too.
+PREFIX_HOLDER = "*prefix"
 
 
 class RedisStore(BlockBackend):
@@ -101,9 +118,15 @@ class RedisStore(BlockBackend):
         prefix: str = DEFAULT_PREFIX,
         value_bytes: int = MAX_VALUE_BYTES,
         namespace: str = DEFAULT_NAMESPACE,
+        prefix_max_bytes: int | None = None,
     ) -> None:
         super().__init__(
-            spec, quantization=quantization, group_size=group_size, max_bytes=max_bytes, namespace=namespace
+            spec,
+            quantization=quantization,
+            group_size=group_size,
+            max_bytes=max_bytes,
+            namespace=namespace,
+            prefix_max_bytes=prefix_max_bytes,
         )
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -131,6 +154,8 @@ class RedisStore(BlockBackend):
         self._sizes = f"{prefix}sizes"
         self._links = f"{prefix}links"
         self._pinned = f"{prefix}pinned"
+        self._prefixes = f"{prefix}prefixes"
+        self._prefix_sizes = f"{prefix}prefix-sizes"
         self._scripting: bool | None = None  # whether the server runs Lua (fakeredis without lupa does not)
 
     # --- keys ----------------------------------------------------------------------------------
@@ -255,10 +280,11 @@ class RedisStore(BlockBackend):
         pipe.execute()
 
     def _hold_pinned(
-        self, agent_id: str, blocks: Sequence[tuple[str, int]], part_bytes: int, *, slide: bool = False
+        self, agent_id: str | None, blocks: Sequence[tuple[str, int]], part_bytes: int, *, slide: bool = False
     ) -> None:
         """With a TTL and pinned agents: the keys a pinned agent needs (its own, and the shared blocks
-        it uses, whoever touches them) lose their expiry; with `slide` the others get ttl_s again."""
+        it uses, whoever touches them) lose their expiry; with `slide` the others get ttl_s again.
+        `agent_id` None: only shared blocks (held for anonymous prefixes)."""
         assert self.ttl_s is not None
         pinned = {_text(member) for member in self._client.smembers(self._pinned)}
         shared = [(name, nbytes) for name, nbytes in blocks if parse_shared_name(name) is not None]
@@ -267,13 +293,15 @@ class RedisStore(BlockBackend):
             pipe.smembers(self._refs_key(name))
         users = pipe.execute()
         held = agent_id in pinned
-        own = [self._mkey(agent_id)]
-        for name, nbytes in blocks:
-            if parse_shared_name(name) is None:
-                own += self._part_keys(agent_id, name, nbytes, part_bytes)
-        groups = [(own, held)]
+        groups: builtins.list[tuple[builtins.list[str], bool]] = []
+        if agent_id is not None:
+            own = [self._mkey(agent_id)]
+            for name, nbytes in blocks:
+                if parse_shared_name(name) is None:
+                    own += self._part_keys(agent_id, name, nbytes, part_bytes)
+            groups.append((own, held))
         for (name, nbytes), refs in zip(shared, users, strict=True):
-            keys = [*self._part_keys(agent_id, name, nbytes, part_bytes), self._refs_key(name)]
+            keys = [*self._part_keys("", name, nbytes, part_bytes), self._refs_key(name)]
             keys.append(self._pointer_key(name.partition(".")[0]))
             groups.append((keys, held or bool(pinned & {_text(user) for user in refs})))
         pipe = self._client.pipeline(transaction=False)
@@ -321,9 +349,12 @@ class RedisStore(BlockBackend):
         return True
 
     # --- writes --------------------------------------------------------------------------------
-    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> bool:
         validate_agent_id(agent_id)
         check_fence(fence)
+        namespace = self.effective_namespace(namespace)
         cache.validate(self.spec)
         mkey = self._mkey(agent_id)
         plan: WritePlan | None = None
@@ -345,7 +376,8 @@ class RedisStore(BlockBackend):
                     # (Re)plan; a retry whose kept blocks still exist only needs the commit again.
                     if plan is not None:
                         self._discard(agent_id, plan)
-                    plan = self.plan_write(agent_id, cache, self._reusable(tx, agent_id, current))
+                    previous = self._reusable(tx, agent_id, current)
+                    plan = self.plan_write(agent_id, cache, previous, namespace=namespace)
                     linked = self._write_blocks(agent_id, plan)  # removes what it wrote if it fails
                 manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
                 if not self._watch_shared(tx, agent_id, manifest):
@@ -677,6 +709,160 @@ class RedisStore(BlockBackend):
 
     def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
         return self._fetch_blocks(manifest.agent_id, manifest, manifest.blocks)
+
+    # --- anonymous prefixes --------------------------------------------------------------------
+    def _store_prefix(
+        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
+    ) -> PrefixWrite:
+        """Find each share key's stored version (one pipelined GET of the pointers), write the missing
+        blocks (SET NX on the provisional expiry), then one MULTI/EXEC, guarded by WATCH on every value,
+        adds PREFIX_HOLDER to each block's reference set and records it in `prefixes`. A block collected
+        before the EXEC aborts it: that block is written and the commit tried again."""
+        encoded: dict[int, EncodedBlock] = {}  # blocks this put writes
+        sent: set[int] = set()
+        for _attempt in race_attempts():
+            blocks: builtins.list[tuple[str, int, int]] = []  # (name, nbytes, crc) of each share key
+            pointers = self._find_versions([share for i, share in enumerate(shares) if i not in encoded])
+            for index, share in enumerate(shares):
+                found = None if index in encoded else pointers.pop(0)
+                if found is None:
+                    block = encoded.get(index) or encode(index)
+                    encoded[index] = block
+                    found = (shared_name(share, block.crc32), block.nbytes, block.crc32)
+                blocks.append(found)
+            self._send_prefix_blocks([(encoded[i], blocks[i][0]) for i in sorted(set(encoded) - sent)])
+            sent = set(encoded)
+            keys = [self._part_keys("", name, nbytes, self.part_bytes) for name, nbytes, _crc in blocks]
+            with self._client.pipeline(transaction=True) as tx:
+                tx.watch(*(key for block_keys in keys for key in block_keys))
+                missing = self._missing(keys)
+                if missing:
+                    for index in missing:  # collected meanwhile: write it again
+                        if index not in encoded:
+                            encoded[index] = encode(index)
+                        sent.discard(index)
+                    continue
+                tx.multi()
+                for index, (name, nbytes, crc) in enumerate(blocks):
+                    self._queue_prefix_hold(tx, name, nbytes, crc, keys[index], index in encoded)
+                    tx.zadd(self._prefixes, {name: prefix_recency(now, index)})
+                    tx.hset(self._prefix_sizes, name, f"{nbytes}:{self.part_bytes}")
+                try:
+                    tx.execute()
+                except WatchError:
+                    continue
+            if self.ttl_s is not None and self._client.scard(self._pinned):
+                self._hold_pinned(None, [(name, nbytes) for name, nbytes, _ in blocks], self.part_bytes)
+            written = sum(encoded[i].nbytes for i in encoded)
+            return PrefixWrite(held=len(shares) - len(encoded), written=len(encoded), bytes_written=written)
+        raise StoreError(f"put_prefix of {len(shares)} blocks kept losing races with other writers")
+
+    def _find_versions(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int] | None]:
+        """(name, nbytes, crc32) of each share key's stored version, None where there is none."""
+        pipe = self._client.pipeline(transaction=False)
+        for share in shares:
+            pipe.get(self._pointer_key(share))
+        found: builtins.list[tuple[str, int, int] | None] = []
+        for share, value in zip(shares, pipe.execute(), strict=True):
+            try:
+                crc_hex, nbytes = bytes(value).decode().split(":")
+                found.append((shared_name(share, int(crc_hex, 16)), int(nbytes), int(crc_hex, 16)))
+            except (TypeError, ValueError):
+                found.append(None)
+        return found
+
+    def _send_prefix_blocks(self, blocks: Sequence[tuple[EncodedBlock, str]]) -> None:
+        """SET the values of new shared blocks where absent (NX), on the provisional expiry."""
+        pipe = self._client.pipeline(transaction=False)
+        queued = 0
+        for block, name in blocks:
+            keys = self._part_keys("", name, block.nbytes, self.part_bytes)
+            for key, value in zip(keys, split_parts(block.parts(), self.part_bytes), strict=True):
+                pipe.set(key, self._value(value), px=PENDING_TTL_MS, nx=True)
+            queued += block.nbytes
+            if queued >= _PIPELINE_BYTES:
+                pipe.execute()
+                queued = 0
+        pipe.execute()
+
+    def _missing(self, keys: Sequence[Sequence[str]]) -> builtins.list[int]:
+        """The indexes of the blocks (each given by its value keys) with a value missing."""
+        pipe = self._client.pipeline(transaction=False)
+        for block_keys in keys:
+            pipe.exists(*block_keys)
+        counts = pipe.execute()
+        return [i for i, (block_keys, n) in enumerate(zip(keys, counts, strict=True)) if n != len(block_keys)]
+
+    def _queue_prefix_hold(
+        self, tx: Any, name: str, nbytes: int, crc: int, keys: Sequence[str], wrote: bool
+    ) -> None:
+        """In the MULTI: the prefix's reference on a shared block, its values adopted, its pointer set
+        (replacing a stale one when this put wrote the block, else only where there is none)."""
+        for key in keys:
+            self._queue_expiry(tx, key, persist=True)
+        tx.sadd(self._refs_key(name), PREFIX_HOLDER)
+        self._queue_expiry(tx, self._refs_key(name), persist=False)
+        pointer = self._pointer_key(name.partition(".")[0])
+        tx.set(pointer, f"{crc:08x}:{nbytes}", nx=not wrote, ex=self.ttl_s)
+
+    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zadd(
+            self._prefixes, {name: prefix_recency(now, i) for i, (name, _) in enumerate(blocks)}, xx=True
+        )
+        if self.ttl_s is not None:  # like an agent's: the prefix lives ttl_s past its last use
+            for name, nbytes in blocks:
+                for key in self._part_keys("", name, nbytes, self.part_bytes):
+                    pipe.expire(key, self.ttl_s)
+                pipe.expire(self._refs_key(name), self.ttl_s)
+                pipe.expire(self._pointer_key(name.partition(".")[0]), self.ttl_s)
+        pipe.execute()
+        if self.ttl_s is not None and self._client.scard(self._pinned):
+            self._hold_pinned(None, blocks, self.part_bytes)
+
+    def _prefix_entries(self) -> builtins.list[PrefixEntry]:
+        members: Any = self._client.zrange(self._prefixes, 0, -1, withscores=True)
+        if not members:
+            return []
+        names = [_text(member) for member, _ in members]
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hmget(self._prefix_sizes, names)
+        for name in names:
+            pipe.scard(self._refs_key(name))
+            pipe.sismember(self._refs_key(name), PREFIX_HOLDER)
+        sizes, *counts = pipe.execute()
+        entries = []
+        for index, (name, (_member, score)) in enumerate(zip(names, members, strict=True)):
+            nbytes, _, part_bytes = _text(sizes[index] or b"0:0").partition(":")
+            agents = int(counts[2 * index]) - int(counts[2 * index + 1])
+            entries.append(PrefixEntry(name, int(nbytes), float(score), agents, int(part_bytes or 0)))
+        return entries
+
+    def _evict_prefix(self, entry: PrefixEntry) -> bool:
+        """Drop the hold and collect the block by the release every agent's commit uses (atomic: the
+        block goes only if its reference set is then empty). An agent that links it between the check
+        here and the release keeps it: the prefix only loses its hold."""
+        parsed = parse_shared_name(entry.name)
+        if parsed is None:
+            return False
+        refs_key = self._refs_key(entry.name)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.scard(refs_key)
+        pipe.sismember(refs_key, PREFIX_HOLDER)
+        users, held = pipe.execute()
+        if int(users) - int(held) > 0:
+            return False  # an agent links it: the agents' budget decides
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zrem(self._prefixes, entry.name)
+        pipe.hdel(self._prefix_sizes, entry.name)
+        pipe.execute()
+        keys, pointer = self._release_keys(
+            BlockRef(entry.name, "", 0, entry.nbytes, parsed[1]), entry.part_bytes
+        )
+        if self._supports_scripts():
+            return bool(self._client.eval(_RELEASE_SHARED, len(keys), *keys, pointer, PREFIX_HOLDER))
+        self._client.srem(refs_key, PREFIX_HOLDER)
+        return self._collect_one(keys, pointer)
 
     # --- delete, list, info, budgets -----------------------------------------------------------
     def delete(self, agent_id: str) -> bool:

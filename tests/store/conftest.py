@@ -7,8 +7,10 @@ for byte, and a cache of other tokens differs everywhere.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import fakeredis
 import numpy as np
@@ -17,6 +19,7 @@ from redis.exceptions import ResponseError
 
 from engine.core.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
 from engine.core.spec import LayerSpec, ModelCacheSpec
+from store.backend import BlockBackend
 from store.disk import DiskStore
 from store.redis_store import RedisStore
 
@@ -145,3 +148,35 @@ def without_scripting(store: RedisStore) -> RedisStore:
 
     store._client.eval = refused  # type: ignore[method-assign]
     return store
+
+
+@contextlib.contextmanager
+def backends_of_kind(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[..., BlockBackend]]:
+    """Opens backends of one kind over one storage (one directory, one Redis server), as several
+    workers would, and closes them after: `disk`, `fakeredis`, `redis-server` (a real one), and
+    `redis-server-without-scripts` (which takes the fallbacks for servers without Lua)."""
+    made: list[BlockBackend] = []
+    server = fakeredis.FakeServer()
+
+    def open_one(namespace: str = "default", **options: Any) -> BlockBackend:
+        backend: BlockBackend
+        if kind == "disk":
+            backend = DiskStore(tmp_path / "store", tiny_spec(), namespace=namespace, **options)
+        elif kind == "fakeredis":
+            client = fakeredis.FakeRedis(server=server)
+            backend = RedisStore(client, tiny_spec(), namespace=namespace, **options)
+        else:
+            url = request.getfixturevalue("redis_url")
+            backend = RedisStore(url, tiny_spec(), namespace=namespace, **options)
+            if kind == "redis-server-without-scripts":
+                without_scripting(backend)
+        made.append(backend)
+        return backend
+
+    try:
+        yield open_one
+    finally:
+        for backend in made:
+            backend.close()

@@ -31,13 +31,15 @@ class GatedDisk(DiskStore):
         self.fail = False
         self.put_calls: list[tuple[str, int]] = []
 
-    def put(self, agent_id: str, cache: AgentCache, *, fence: int | None = None) -> bool:
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> bool:
         self.entered.set()
         assert self.gate.wait(10)
         self.put_calls.append((agent_id, cache.n_tokens))
         if self.fail:
             raise OSError("disk on fire")
-        return super().put(agent_id, cache, fence=fence)
+        return super().put(agent_id, cache, fence=fence, namespace=namespace)
 
 
 def _hot(tmp_path: Path, capacity: int = 1 << 24, **kwargs: object) -> tuple[HotTierStore, GatedDisk]:
@@ -251,9 +253,9 @@ import time
 from store.factory import open_store
 store = open_store({uri!r}, tiny_spec())
 slow_put = store.backend.put
-def put(agent_id, cache, fence=None):
+def put(agent_id, cache, fence=None, namespace=None):
     time.sleep(0.3)
-    return slow_put(agent_id, cache, fence=fence)
+    return slow_put(agent_id, cache, fence=fence, namespace=namespace)
 store.backend.put = put
 store.put("a", make_cache(tiny_spec(), tokens(40)))
 """

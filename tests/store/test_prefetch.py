@@ -25,11 +25,13 @@ class RecordingDisk(DiskStore):
         self.gate.set()
         self.entered = threading.Event()
 
-    def get(self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None) -> AgentCache | None:
+    def get(
+        self, agent_id: str, *, prompt_tokens: Sequence[int] | None = None, namespace: str | None = None
+    ) -> AgentCache | None:
         self.readers.append(threading.current_thread().name)
         self.entered.set()
         assert self.gate.wait(10)
-        return super().get(agent_id, prompt_tokens=prompt_tokens)
+        return super().get(agent_id, prompt_tokens=prompt_tokens, namespace=namespace)
 
 
 def _stored(tmp_path: Path, token_ids: list[int]) -> tuple[HotTierStore, RecordingDisk, AgentCache]:

@@ -208,7 +208,7 @@ def test_manifest_records_the_value_size(redis_url: str) -> None:
     raw = store._client.get(store._mkey("a"))
     assert isinstance(raw, bytes)
     metadata, _entries, _start = parse_header(raw)
-    assert metadata["part_bytes"] == str(VALUE_BYTES) and metadata["version"] == "4"
+    assert metadata["part_bytes"] == str(VALUE_BYTES) and metadata["version"] == "5"
     assert len(json.loads(metadata["blocks"])) == 2
     with pytest.raises(ValueError):
         RedisStore(redis_url, tiny_spec(), value_bytes=10)

@@ -24,6 +24,7 @@ from store.manifest import parse_shared_name
 from store.redis_store import RedisStore
 from tests.store.conftest import (
     assert_same_cache,
+    backends_of_kind,
     make_cache,
     redis_value_keys,
     tiny_spec,
@@ -41,23 +42,8 @@ Opener = Callable[..., BlockBackend]
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
     """Opens backends of one kind over one shared storage (one directory, one Redis); the last kind
     collects shared blocks by its fallback for servers without Lua (WATCH/MULTI after the EXEC)."""
-    made: list[BlockBackend] = []
-
-    def open_one(namespace: str = "default", **options: Any) -> BlockBackend:
-        store: BlockBackend
-        if request.param == "disk":
-            store = DiskStore(tmp_path / "store", tiny_spec(), namespace=namespace, **options)
-        else:
-            url = request.getfixturevalue("redis_url")
-            store = RedisStore(url, tiny_spec(), namespace=namespace, **options)
-            if request.param == "redis-server-without-scripts":
-                without_scripting(store)
-        made.append(store)
-        return store
-
-    yield open_one
-    for store in made:
-        store.close()
+    with backends_of_kind(request.param, request, tmp_path) as open_one:
+        yield open_one
 
 
 def _shared_storage(store: BlockBackend) -> set[str]:
