@@ -5,6 +5,7 @@ own OpenAI-compatible server, on the same weights, on this machine, in the same 
     python benchmarks/bench_agents.py --agents 2 --turns 2 --max-tokens 8 --runs 1 --out /tmp/a.json
     python benchmarks/bench_agents.py --only server         # one side (no ratios then)
     python benchmarks/bench_agents.py --sides kvrq http     # kvrq's producer path against its HTTP door
+    python benchmarks/bench_agents.py --anonymous           # without agent ids: --sides kvrq anon anon-blocks
 
 Each agent has its own ~700-token briefing (the system message: a ship, its home port, crew and
 cargo, generated from a seed per agent, so every agent's prefix differs from its first tokens).
@@ -40,6 +41,15 @@ OpenBLAS preloaded (`blas_preload_env()`), OpenBLAS's own thread count. `--serve
 sets OPENBLAS_NUM_THREADS for it: docs/platform.md measured mlx_lm.server's decode 6-15x faster
 with 1 thread (its HTTP threads fight OpenBLAS's over the 2 cores), but this workload is mostly
 prefill, and a 2-agent smoke run here was no faster with 1 (21 s wall against 19 s).
+
+anon (`--anonymous`): the kvrq side's worker and jobs, each job sent without an `agent_id`: a later turn
+can only resume from the prefixes earlier jobs left (the worker's recent in-memory prefixes, and the
+store's full blocks, `get_prefix`). Per turn the report gives each job's reuse against its 256-token-
+aligned prefix: the tokens it reused over the previous turn's prompt length rounded down to a multiple of
+256 (that prompt is a prefix of this one, so its full blocks are reusable by any worker); target from
+turn 2 on: at least 90% for every job, wall time within 1.2x of the agent-id side in the same run.
+anon-blocks: the same with the worker's recent prefixes off (KVRQ_RECENT_PREFIX_MB=0), so every reused
+token comes from the store's full blocks, as on a worker that did not run the previous turn.
 
 http: kvrq behind its own HTTP front door (`kvrq serve`, docs/http.md): the same redis-server and
 worker as the kvrq side, plus a `kvrq serve` process, driven by the very client that drives
@@ -79,7 +89,8 @@ sys.path.insert(0, str(ROOT))
 from engine.cpu.blas import blas_preload_env, ensure_fast_blas  # noqa: E402
 
 Message = dict[str, str]
-SIDES = ["kvrq", "server", "http"]
+SIDES = ["kvrq", "server", "http", "anon", "anon-blocks"]
+BLOCK_TOKENS = 256  # the store's block: the unit anonymous reuse is measured in
 
 SHIPS = ["Albatross", "Boreas", "Cormorant", "Dunlin", "Egret", "Fulmar", "Gannet", "Heron"]
 SHIPS += ["Ibis", "Jacana", "Kestrel", "Lapwing", "Merlin", "Nightjar", "Osprey", "Petrel"]
@@ -186,15 +197,17 @@ def drive(ask: Ask, agents: int, turns: int) -> tuple[float, list[dict[str, Any]
 
 
 @contextmanager
-def kvrq_worker() -> Iterator[tuple[str, Path]]:
-    """A private redis-server and one `kvrq worker` on the builtin model: (Redis URL, a work folder)."""
+def kvrq_worker(env: dict[str, str] | None = None) -> Iterator[tuple[str, Path]]:
+    """A private redis-server and one `kvrq worker` on the builtin model (`env`: more settings for it):
+    (Redis URL, a work folder)."""
     from tests.worker.procs import RedisProcess, WorkerProcess
 
     with tempfile.TemporaryDirectory(prefix="kvrq-agents-") as tmp:
         workdir = Path(tmp)
         redis = RedisProcess(workdir)
         redis.start()
-        worker = WorkerProcess(redis.url, workdir, name="agents", env={"KVRQ_HEARTBEAT_INTERVAL": "5"})
+        settings = {"KVRQ_HEARTBEAT_INTERVAL": "5", **(env or {})}
+        worker = WorkerProcess(redis.url, workdir, name="agents", env=settings)
         try:
             worker.start()
             yield redis.url, workdir
@@ -203,21 +216,20 @@ def kvrq_worker() -> Iterator[tuple[str, Path]]:
             redis.stop()
 
 
-def run_kvrq(args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
+def run_kvrq(
+    args: argparse.Namespace, *, anonymous: bool = False, env: dict[str, str] | None = None
+) -> tuple[float, list[dict[str, Any]]]:
+    """The producer path: one agent id per agent, or (`anonymous`) none, the whole conversation re-sent."""
     from producer.client import Producer
 
-    with kvrq_worker() as (redis_url, _), Producer(redis_url) as producer:
+    with kvrq_worker(env) as (redis_url, _), Producer(redis_url) as producer:
 
         def ask(agent: int, messages: list[Message]) -> Answer:
             started = time.perf_counter()
-            handle = producer.submit(
-                {
-                    "agent_id": f"agent-{agent}",
-                    "messages": messages,
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0.0,
-                }
-            )
+            job: dict[str, Any] = {"messages": messages, "max_tokens": args.max_tokens, "temperature": 0.0}
+            if not anonymous:
+                job["agent_id"] = f"agent-{agent}"
+            handle = producer.submit(job)
             first, parts = None, []
             for delta in handle.stream(timeout=1200):
                 if delta and first is None:
@@ -441,9 +453,31 @@ def side_summary(
         "reused_share_later_turns": sum(r["reused_tokens"] for r in later_rows)
         / max(1, sum(r["prompt_tokens"] for r in later_rows)),
         "later_worker_median_s": worker_medians(later_rows),
+        "aligned_reuse_by_turn": aligned_reuse(rows),
         "load_average_before": load[0],
         "load_average_after": load[1],
         "rows": rows,
+    }
+
+
+def aligned_reuse(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | int]]:
+    """Per turn from 2 on: each job's reused tokens over its 256-token-aligned prefix (the previous
+    turn's prompt, a prefix of this one, rounded down to whole blocks): min, median, and how many jobs
+    reached 90%."""
+    previous = {(r["agent"], r["turn"]): r["prompt_tokens"] for r in rows}
+    by_turn: dict[int, list[float]] = {}
+    for r in rows:
+        aligned = previous.get((r["agent"], r["turn"] - 1), 0) // BLOCK_TOKENS * BLOCK_TOKENS
+        if r["turn"] >= 2 and aligned:
+            by_turn.setdefault(r["turn"], []).append(r["reused_tokens"] / aligned)
+    return {
+        str(turn): {
+            "min": round(min(shares), 3),
+            "median": round(statistics.median(shares), 3),
+            "at_least_90": sum(share >= 0.9 for share in shares),
+            "jobs": len(shares),
+        }
+        for turn, shares in sorted(by_turn.items())
     }
 
 
@@ -457,7 +491,13 @@ def worker_medians(rows: list[dict[str, Any]]) -> dict[str, float] | None:
 
 
 #: (slower, faster) pairs whose ratios the report gives, where both sides ran.
-RATIO_PAIRS = (("server", "kvrq"), ("server", "http"), ("http", "kvrq"))
+RATIO_PAIRS = (
+    ("server", "kvrq"),
+    ("server", "http"),
+    ("http", "kvrq"),
+    ("anon", "kvrq"),
+    ("anon-blocks", "kvrq"),
+)
 
 
 def ratios(faster: dict[str, Any], slower: dict[str, Any]) -> dict[str, float | None]:
@@ -501,6 +541,15 @@ def print_table(report: dict[str, Any]) -> None:
             f"| {fmt(r['ttft_later_median_s'])} / {fmt(r['ttft_later_p95_s'])} "
             f"| {fmt(r['turn_total_median_s'])} | {r['reused_share_later_turns']:.0%} | {load} |"
         )
+    reuse = [(r, turn, v) for r in report["runs"] for turn, v in r["aligned_reuse_by_turn"].items()]
+    if any(r["side"].startswith("anon") for r, _, _ in reuse):
+        print("\n| run | side | turn | reuse of the 256-aligned prefix min / median | jobs >= 90% |")
+        print("|---|---|---|---|---|")
+        for r, turn, v in reuse:
+            print(
+                f"| {r['run']} | {r['side']} | {turn} | {v['min']:.0%} / {v['median']:.0%} "
+                f"| {v['at_least_90']} of {v['jobs']} |"
+            )
     if report["ratios"]:
         print("\n| run | sides | wall | later-turn TTFT p50 |")
         print("|---|---|---|---|")
@@ -521,6 +570,11 @@ def main() -> int:
     parser.add_argument("--only", choices=SIDES, help="run one side")
     parser.add_argument("--sides", nargs="+", choices=SIDES, help="run these sides [kvrq server]")
     parser.add_argument(
+        "--anonymous",
+        action="store_true",
+        help="the workload without agent ids against the agent-id path: --sides kvrq anon anon-blocks",
+    )
+    parser.add_argument(
         "--server-blas-threads",
         type=int,
         default=1,
@@ -528,7 +582,8 @@ def main() -> int:
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agents.json"))
     args = parser.parse_args()
-    sides = [args.only] if args.only else args.sides or ["kvrq", "server"]
+    default_sides = ["kvrq", "anon", "anon-blocks"] if args.anonymous else ["kvrq", "server"]
+    sides = [args.only] if args.only else args.sides or default_sides
 
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/bench_agents.py", *sys.argv[1:]]),
@@ -554,7 +609,13 @@ def main() -> int:
             for side in sides if run % 2 else sides[::-1]:
                 print(f"run {run}: {side} ({args.agents} agents x {args.turns} turns) ...", flush=True)
                 before = os.getloadavg()
-                runners = {"kvrq": run_kvrq, "http": run_http, "server": lambda a: run_server(a, folder)}
+                runners: dict[str, Callable[[argparse.Namespace], tuple[float, list[dict[str, Any]]]]] = {
+                    "kvrq": run_kvrq,
+                    "anon": lambda a: run_kvrq(a, anonymous=True),
+                    "anon-blocks": lambda a: run_kvrq(a, anonymous=True, env={"KVRQ_RECENT_PREFIX_MB": "0"}),
+                    "http": run_http,
+                    "server": lambda a: run_server(a, folder),
+                }
                 wall, rows = runners[side](args)
                 runs.append(side_summary(side, run, wall, rows, [before, os.getloadavg()]))
                 print(f"  wall {wall:.1f} s", flush=True)
