@@ -17,7 +17,7 @@ from redis import Redis
 from redis.exceptions import WatchError
 
 from producer.models import ChatMessage, GenerationRequest, Tool
-from producer.protocol import agent_conversation_key
+from producer.protocol import agent_conversation_key, agent_fence_key
 
 
 class ConversationRecord(BaseModel):
@@ -31,6 +31,7 @@ class ConversationRecord(BaseModel):
     messages: list[ChatMessage] = Field(default_factory=list)
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    forgotten: bool = Field(default=False, description="a tombstone: the conversation was reset or deleted")
 
     def encode(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode()
@@ -94,9 +95,15 @@ def after_turn(
     )
 
 
-def read_conversation(connection: Redis, agent_id: str) -> ConversationRecord | None:
-    """The agent's record as the queue's Redis holds it (None: no conversation)."""
+def read_record(connection: Redis, agent_id: str) -> ConversationRecord | None:
+    """The agent's record as the queue's Redis holds it, a tombstone included."""
     return ConversationRecord.decode(connection.get(agent_conversation_key(agent_id)))
+
+
+def read_conversation(connection: Redis, agent_id: str) -> ConversationRecord | None:
+    """The agent's conversation (None: none, or forgotten)."""
+    record = read_record(connection, agent_id)
+    return None if record is None or record.forgotten else record
 
 
 def write_conversation(connection: Redis, agent_id: str, record: ConversationRecord) -> bool:
@@ -119,6 +126,18 @@ def write_conversation(connection: Redis, agent_id: str, record: ConversationRec
                 continue
 
 
+#: How long a tombstone outlives the conversation it ends (the cache's copy is evicted long before).
+TOMBSTONE_TTL_S = 90 * 24 * 3600
+
+
 def forget_conversation(connection: Redis, agent_id: str) -> bool:
-    """Remove the agent's record from the queue's Redis; True if there was one."""
-    return bool(connection.delete(agent_conversation_key(agent_id)))
+    """End the agent's conversation; True if it had one.
+
+    A tombstone stamped with a fresh fence replaces the record, not a delete: the copy in the agent's
+    cache manifest (evicted later, by the store's LRU) is older, so it can never bring the conversation
+    back, and a turn still running with an older fence cannot write it back either."""
+    had = read_conversation(connection, agent_id) is not None
+    fence = int(connection.incr(agent_fence_key(agent_id)))
+    write_conversation(connection, agent_id, ConversationRecord(fence=fence, forgotten=True))
+    connection.expire(agent_conversation_key(agent_id), TOMBSTONE_TTL_S)
+    return had

@@ -47,6 +47,9 @@ class OutputSplitter:
     text: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    #: The model wrote a call identical to one it had made in this answer: the answer is complete (small
+    #: models under a forced call grammar repeat their call until max_tokens); the repeat is dropped.
+    repeated_call: bool = False
     _part: Part = "text"
     _buffer: str = ""
     _tool_text: str = ""
@@ -125,8 +128,11 @@ class OutputSplitter:
             unparsed = f"{start}{text}{end}"
             self.text += unparsed
             return [Piece("text", unparsed)]
-        self.tool_calls += calls
-        return [Piece("tool_call", call=call) for call in calls]
+        made = {_call_key(call) for call in self.tool_calls}
+        fresh = [call for call in calls if _call_key(call) not in made]
+        self.repeated_call = self.repeated_call or len(fresh) < len(calls)
+        self.tool_calls += fresh
+        return [Piece("tool_call", call=call) for call in fresh]
 
 
 def _tool_call(parsed: Any) -> ToolCall:
@@ -135,6 +141,15 @@ def _tool_call(parsed: Any) -> ToolCall:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     call_id = parsed.get("id") or f"call_{secrets.token_hex(12)}"
     return ToolCall(id=str(call_id), function=ToolCallFunction(name=str(parsed["name"]), arguments=text))
+
+
+def _call_key(call: ToolCall) -> tuple[str, str]:
+    """A call's name and arguments, the arguments as canonical JSON where they parse."""
+    try:
+        arguments = json.dumps(json.loads(call.function.arguments), sort_keys=True)
+    except ValueError:
+        arguments = call.function.arguments
+    return call.function.name, arguments
 
 
 def _partial_marker_length(text: str, markers: list[str]) -> int:

@@ -25,6 +25,7 @@ from producer.conversation import (
     extended,
     newer,
     read_conversation,
+    read_record,
     write_conversation,
 )
 from producer.models import ChatMessage, GenerationRequest, ToolCall
@@ -69,9 +70,11 @@ def resolve(
         )
     source = source_agent(request)
     stored = newer(
-        read_conversation(connection, source),
+        read_record(connection, source),
         None if cache is None else ConversationRecord.decode(cache.conversation),
     )
+    if stored is not None and stored.forgotten:
+        stored = None  # reset or deleted after that cache was written
     if request.fork_from is not None and stored is None:
         raise JobRejected(
             f"invalid request: fork_from names agent {source!r}, which has no stored conversation "

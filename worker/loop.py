@@ -601,7 +601,13 @@ class WorkerLoop:
                 held.progress_at = mono
                 self.publisher.progress(held.job, generated_tokens=held.generated)
         self.counts["tokens"] += len(output.deltas)
-        for completion in output.completions:
+        completions = list(output.completions)
+        for held in list(self.scheduler.running.values()):
+            if held.output is not None and held.output.repeated_call and held.uid is not None:
+                held.output.repeated_call = False  # asked once: its completion comes now or with a step
+                if (ended := self.engine.finish(held.uid)) is not None:
+                    completions.append(ended)
+        for completion in completions:
             held = self.scheduler.by_uid(completion.uid)
             if held is not None:
                 if held.output is not None and (rest := self._split(held, held.output.finish())):

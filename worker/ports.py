@@ -45,6 +45,10 @@ class Engine(Protocol):
 
     def cancel(self, uid: int) -> Completion | None: ...
 
+    def finish(self, uid: int) -> Completion | None:
+        """End the sequence as stopped, its KV kept; its completion now or from a later step."""
+        ...
+
     def has_work(self) -> bool: ...
 
     def memory(self) -> dict[str, int]:

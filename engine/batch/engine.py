@@ -354,6 +354,14 @@ class BlockPoolBatchEngine:
             return None
         return self._finish(seq, "canceled")
 
+    def finish(self, uid: int) -> Completion | None:
+        """End a sequence now as if it had stopped by itself (its KV kept): for a caller that reads the
+        answer as complete (a repeated tool call). Its completion comes back now or from a later step."""
+        seq = self._sequences.get(uid)
+        if seq is None:
+            return None
+        return self._finish(seq, "stop")
+
     def _finish(self, seq: _Sequence, reason: FinishReason) -> Completion | None:
         """The sequence's completion, or None when its cache is being cut in the background
         (its blocks stay reserved in the pool until the copy is done)."""

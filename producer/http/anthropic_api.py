@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer.http.errors import Flavor, invalid
-from producer.http.memory_fields import memory_fields
+from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import named_event
 from producer.models import GenerationResult
 from producer.protocol import StreamEvent
@@ -95,7 +95,7 @@ def parse(body: dict[str, Any], *, agent: str | None = None, count: bool = False
         fields["chat_template_kwargs"] = {"enable_thinking": _thinking_enabled(thinking)}
     user = (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None
     if agent or user:
-        fields["agent_id"] = agent or user
+        fields["agent_id"] = client_agent(agent or user, "the agent (metadata.user_id or X-Kvrq-Agent)")
     return Parsed(model, fields, bool(stream))
 
 

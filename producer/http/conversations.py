@@ -34,9 +34,19 @@ RECORD_TTL_S = 30 * 24 * 3600
 MAX_LIST_LIMIT = 100
 
 
+#: Agent ids of stored responses and conversations: only their own routes, which check the API key
+#: that made them, may name them; a chat or messages request naming one is refused.
+RESERVED_AGENT_PREFIXES = ("responses:", "conversations:")
+
+
 def agent_of(ident: str) -> str:
     """The agent of a stored response or conversation (an agent id the worker keeps KV under)."""
     return f"{'responses' if ident.startswith('resp_') else 'conversations'}:{ident}"
+
+
+def reserved_agent(agent_id: object) -> bool:
+    """Whether a client-named agent id is one of the Responses API's own (refused on other routes)."""
+    return isinstance(agent_id, str) and agent_id.startswith(RESERVED_AGENT_PREFIXES)
 
 
 def scope_of(headers: Headers, keyed: bool) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from producer.http.conversations import reserved_agent
 from producer.http.errors import invalid
 
 FIELDS = ("continue", "fork_from", "namespace")
@@ -24,4 +25,16 @@ def memory_fields(body: dict[str, Any]) -> dict[str, Any]:
         raise invalid(f"'kvrq' is an object with the fields {', '.join(FIELDS)}", param="kvrq")
     if "continue" in extension and not isinstance(extension["continue"], bool):
         raise invalid("'kvrq.continue' must be true or false", param="kvrq.continue")
+    if reserved_agent(extension.get("fork_from")):
+        raise invalid(
+            "'kvrq.fork_from' names a stored response's agent: use previous_response_id", param="kvrq"
+        )
     return {name: value for name, value in extension.items() if value is not None}
+
+
+def client_agent(agent: str | None, where: str) -> str | None:
+    """The agent a chat or messages request names (`where`: which field), unless it is one of the
+    Responses API's own: those are reached through their routes, which check who made them."""
+    if reserved_agent(agent):
+        raise invalid(f"{where} names a stored response's or conversation's agent: use the Responses API")
+    return agent

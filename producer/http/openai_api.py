@@ -23,7 +23,7 @@ from producer.batch.format import (
     response_body,
 )
 from producer.http.errors import Flavor, invalid
-from producer.http.memory_fields import memory_fields
+from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import DONE, data_event
 from producer.models import GenerationResult
 from producer.protocol import StreamEvent
@@ -68,7 +68,7 @@ def parse(url: str, body: dict[str, Any], *, agent: str | None = None) -> Parsed
         raise invalid(exc.message.replace("body.", "")) from None
     fields.update(memory)
     if agent or key:
-        fields["agent_id"] = agent or key
+        fields["agent_id"] = client_agent(agent or key, "the agent (prompt_cache_key or X-Kvrq-Agent)")
     return Parsed(url, model, fields, bool(stream), include_usage)
 
 

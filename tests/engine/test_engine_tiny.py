@@ -146,6 +146,21 @@ def test_cancel_frees_blocks_and_reports_canceled(engine: BlockPoolBatchEngine) 
     assert engine.pool.used_blocks == 0
 
 
+def test_finish_ends_a_row_as_stopped_with_its_cache(engine: BlockPoolBatchEngine) -> None:
+    """What the worker does on a repeated tool call: the row ends now, as if it had stopped by itself."""
+    uid = engine.submit("a", PROMPT, SamplingParams(max_tokens=600, stop_tokens=()))
+    for _ in range(3):
+        engine.step()
+    ended = engine.finish(uid)
+    done = {uid: ended} if ended is not None else run_all(engine)  # or cut behind, then reported
+    completion = done[uid]
+    assert completion is not None and completion.finish_reason == "stop"
+    assert completion.cache is not None and completion.cache.token_ids[: len(PROMPT)] == PROMPT
+    assert completion.usage.generated_tokens == 3
+    assert engine.finish(uid) is None and not engine.has_work()
+    assert engine.pool.used_blocks == 0
+
+
 def test_seeded_sampling_does_not_depend_on_batch_mates(engine: BlockPoolBatchEngine) -> None:
     alone = engine.submit("a", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=7, stop_tokens=()))
     first = run_all(engine)[alone].token_ids

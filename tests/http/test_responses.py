@@ -17,6 +17,7 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from producer.conversation import read_conversation
 from producer.protocol import StreamEvent, agent_conversation_key, stream_key
 from tests.http import test_load
 from tests.http.test_integration import ServeProcess
@@ -267,7 +268,7 @@ def test_store_false_keeps_nothing_and_delete_forgets(client: openai.OpenAI, wor
     conversation = agent_conversation_key(f"responses:{kept.id}")
     worker.connection.set(conversation, b"{}")  # what a real worker keeps for the agent
     client.responses.delete(kept.id)
-    assert not worker.connection.exists(conversation)
+    assert read_conversation(worker.connection, f"responses:{kept.id}") is None  # a tombstone now
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
     with pytest.raises(openai.BadRequestError):

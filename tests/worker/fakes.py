@@ -148,6 +148,10 @@ class FakeEngine:
         seq = self._seqs.get(uid)
         return None if seq is None else self._finish(seq, "canceled")
 
+    def finish(self, uid: int) -> Completion | None:
+        seq = self._seqs.get(uid)
+        return None if seq is None else self._finish(seq, "stop")
+
     def _finish(self, seq: _Seq, reason: str) -> Completion:
         del self._seqs[seq.uid]
         self.pool.free(seq.uid)

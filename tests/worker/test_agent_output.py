@@ -120,3 +120,25 @@ def test_splitter_for_reads_the_tokenizers_markers(
 def test_nothing_to_split_for_a_plain_tokenizer() -> None:
     request = GenerationRequest(messages=[{"role": "user", "content": "hi"}])
     assert splitter_for(object(), request, [1]) is None
+
+
+def test_a_repeated_identical_call_is_dropped_and_marks_the_answer_complete() -> None:
+    split = splitter()
+    once = '<tool_call>{"name": "f", "arguments": {"x": 1, "y": 2}}</tool_call>\n'
+    again = '<tool_call>{"name": "f", "arguments": {"y": 2, "x": 1}}</tool_call>'  # same call, other order
+    feed_in_pieces(split, once, 3)
+    assert not split.repeated_call
+    pieces = feed_in_pieces(split, again, 3)
+    assert split.repeated_call and len(split.tool_calls) == 1
+    assert not [p for p in pieces if p.kind == "tool_call"]  # never published
+
+
+def test_calls_with_other_arguments_are_all_kept() -> None:
+    split = splitter()
+    feed_in_pieces(
+        split,
+        '<tool_call>{"name": "f", "arguments": {"city": "Rome"}}</tool_call>'
+        '<tool_call>{"name": "f", "arguments": {"city": "Oslo"}}</tool_call>',
+        5,
+    )
+    assert not split.repeated_call and len(split.tool_calls) == 2

@@ -229,3 +229,17 @@ def test_prefix_reuse_off_keeps_nothing() -> None:
     run(h, {"messages": [user("words " * 10)]})
     again = run(h, {"messages": [user("words " * 10)]}).result()
     assert again.usage.reused_tokens == 0 and h.store.prefixes == {}
+
+
+def test_a_forgotten_conversation_never_comes_back_from_the_cache() -> None:
+    from producer.conversation import forget_conversation
+
+    h = Harness()
+    run(h, {"agent_id": "a", "messages": [user("secret")], "continue": True})
+    assert h.store.caches["a"].conversation is not None  # the manifest's copy outlives the forget
+    assert forget_conversation(h.redis, "a") is True
+    assert h.producer.conversation("a") is None
+    run(h, {"agent_id": "a", "messages": [user("fresh start")], "continue": True})
+    contents = [m["content"] for m in h.producer.conversation("a") or () if m["role"] == "user"]
+    assert contents == ["fresh start"]
+    assert forget_conversation(h.redis, "nobody") is False

@@ -1,0 +1,46 @@
+"""The `kvrq` object of chat and messages bodies, and the agent ids those routes may name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from producer.batch.format import CHAT_URL
+from producer.http import anthropic_api, openai_api
+from producer.http.errors import APIError
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {**CHAT, "max_tokens": 8}
+
+
+def test_continue_and_fork_from_reach_the_request() -> None:
+    parsed = openai_api.parse(CHAT_URL, {**CHAT, "prompt_cache_key": "a", "kvrq": {"continue": True}})
+    assert parsed.fields["continue"] is True and parsed.fields["agent_id"] == "a"
+    parsed = anthropic_api.parse({**MESSAGES, "metadata": {"user_id": "b"}, "kvrq": {"fork_from": "a"}})
+    assert parsed.fields["fork_from"] == "a" and parsed.fields["agent_id"] == "b"
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({**CHAT, "kvrq": {"continue": "yes"}}, "kvrq.continue"),
+        ({**CHAT, "kvrq": {"remember": True}}, "continue, fork_from, namespace"),
+        ({**CHAT, "kvrq": ["continue"]}, "continue, fork_from, namespace"),
+        ({**CHAT, "kvrq": {"fork_from": "responses:resp_1"}}, "previous_response_id"),
+        ({**CHAT, "prompt_cache_key": "responses:resp_1"}, "Responses API"),
+        ({**CHAT, "prompt_cache_key": "conversations:conv_1"}, "Responses API"),
+    ],
+)
+def test_bad_kvrq_fields_and_reserved_agents_are_400(body: dict[str, Any], problem: str) -> None:
+    with pytest.raises(APIError) as error:
+        openai_api.parse(CHAT_URL, body)
+    assert error.value.status == 400 and problem in str(error.value.message)
+
+
+def test_anthropic_routes_refuse_a_responses_agent_too() -> None:
+    with pytest.raises(APIError) as error:
+        anthropic_api.parse({**MESSAGES, "metadata": {"user_id": "responses:resp_1"}})
+    assert error.value.status == 400
+    with pytest.raises(APIError):
+        anthropic_api.parse(MESSAGES, agent="conversations:conv_1")
