@@ -11,11 +11,13 @@ import time
 from redis import Redis
 
 from producer.redact import redact_url
+from producer.redis_url import connect
 from worker.backoff import Backoff
 from worker.loop import REDIS_DOWN, WorkerLoop
 from worker.memory import return_large_frees_to_the_os
 from worker.rqexec import KvrqWorker
 from worker.settings import WorkerSettings
+from worker.warmup import warm_up
 
 log = logging.getLogger("kvrq.worker")
 MiB = 1024 * 1024
@@ -23,7 +25,7 @@ MiB = 1024 * 1024
 
 def wait_for_redis(url: str) -> Redis:
     """A connection to `url`, waiting (with backoff) while Redis is not up yet."""
-    connection = Redis.from_url(url)
+    connection = connect(url)
     backoff = Backoff()
     while True:
         try:
@@ -61,6 +63,9 @@ def serve(settings: WorkerSettings) -> int:
         hot_tier_bytes=int(settings.store_hot_mb * MiB),
         max_bytes=None if settings.store_max_mb is None else int(settings.store_max_mb * MiB),
         quantization=settings.store_quantization,
+        connect=connect,
+        namespace=settings.namespace,
+        prefix_max_bytes=None if settings.prefix_cache_mb is None else int(settings.prefix_cache_mb * MiB),
     )
     log.info(
         "model %s loaded in %.1f s; store %s",
@@ -68,6 +73,8 @@ def serve(settings: WorkerSettings) -> int:
         time.perf_counter() - started,
         redact_url(settings.store),
     )
+    if settings.warmup:
+        warm_up(engine)
     connection = wait_for_redis(settings.redis_url)
     rq_worker = KvrqWorker(
         settings.queue_names,

@@ -51,6 +51,10 @@ class WorkerSettings(BaseSettings):
         description="worker memory for the whole caches of recent jobs without an agent, reused token by "
         "token (the store keeps full blocks only; 0: off)",
     )
+    warmup: bool = Field(
+        default=True,
+        description="run a few tokens through the engine before taking jobs (first turns stay fast)",
+    )
     namespace: str = Field(
         default="default",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$",
