@@ -38,6 +38,7 @@ from producer.protocol import (
     worker_alive_key,
     worker_queue_name,
 )
+from producer.redis_url import READ_RETRY, UNSENT, connect, retry_unsent, wait_replicated
 
 logger = logging.getLogger("kvrq.producer")
 
@@ -123,7 +124,7 @@ class JobHandle:
 
     def status(self) -> str:
         """rq's status string: queued, started, finished, failed, canceled, ..."""
-        raw = self.connection.hget(Job.key_for(self.id), "status")
+        raw = retry_unsent(lambda: self.connection.hget(Job.key_for(self.id), "status"), errors=READ_RETRY)
         if raw is None:
             raise JobNotFoundError(f"no job {self.id} in Redis")
         return raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -149,7 +150,9 @@ class JobHandle:
             # The results stream's last entry is read before the status: a result written after the
             # status read lies past it and wakes the wait below at once (read after the status, the
             # wait could take that very result for an old one and sleep a whole poll).
-            latest: Any = self.connection.xrevrange(results_key, "+", "-", count=1)
+            latest: Any = retry_unsent(
+                lambda: self.connection.xrevrange(results_key, "+", "-", count=1), errors=READ_RETRY
+            )
             last_id = latest[0][0] if latest else "0-0"
             outcome = self._outcome()
             if outcome is not None:
@@ -181,7 +184,9 @@ class JobHandle:
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
         """Entries of one stream after `last_id`, waiting up to `block` seconds for the first."""
         block_ms = None if block is None else max(1, int(block * 1000))
-        response: Any = self.connection.xread({key: last_id}, block=block_ms, count=count)
+        response: Any = retry_unsent(
+            lambda: self.connection.xread({key: last_id}, block=block_ms, count=count), errors=READ_RETRY
+        )
         return list(response[0][1]) if response else []
 
     def cancel(self) -> bool:
@@ -358,7 +363,7 @@ class Producer:
         if connection is None:
             if redis_url is None:
                 raise ValueError("give redis_url or connection")
-            connection = Redis.from_url(redis_url)
+            connection = connect(redis_url)
         self.connection = connection
         self.queue_name = queue
         self.default_job_timeout = default_job_timeout
@@ -405,10 +410,18 @@ class Producer:
 
         With `job_ids`, ids that already name a job get a handle to that job instead of a new one,
         so a resubmission after a crash is idempotent.
+
+        A Redis primary failing over is ridden out (producer.redis_url.retry_unsent); with a Sentinel
+        URL the call returns once a replica holds the jobs too (`wait`), else raises ConnectionError.
         """
         validated = [_validate(request) for request in requests]
         if job_ids is not None and len(job_ids) != len(validated):
             raise ValueError(f"{len(job_ids)} job ids for {len(validated)} requests")
+        handles = retry_unsent(lambda: self._submit(validated, job_ids))
+        wait_replicated(self.connection, [Job.key_for(handle.id) for handle in handles])
+        return handles
+
+    def _submit(self, validated: list[GenerationRequest], job_ids: Sequence[str] | None) -> list[JobHandle]:
         homes = self._homes(validated)
         if job_ids is None:
             with self.connection.pipeline(transaction=False) as pipe:
@@ -427,7 +440,9 @@ class Producer:
                             self._enqueue(request, job_id, pipe, homes)
                     pipe.execute()
                     break
-                except WatchError:
+                except WatchError as exc:
+                    if isinstance(exc.__context__, UNSENT):
+                        raise exc.__context__ from None  # not a race: the primary refused (retry_unsent)
                     continue  # another producer touched one of these ids: look again
         return [self.handle(job_id) for job_id in job_ids]
 

@@ -11,11 +11,13 @@ from store.disk import MARKER, DiskStore
 from store.errors import StoreError
 from store.hot import HotTierStore
 from store.quant import Quantization
-from store.redis_store import DEFAULT_PREFIX, RedisStore
+from store.redis_store import DEFAULT_PREFIX, Connect, RedisStore
 
 MiB = 1024 * 1024
 DEFAULT_HOT_TIER_BYTES = 512 * MiB
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: URL forms of a Redis store; the Sentinel ones need `connect` (the worker passes producer.redis_url's).
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
 
 
 def open_backend(
@@ -28,9 +30,11 @@ def open_backend(
     ttl_s: int | None = None,
     prefix: str = DEFAULT_PREFIX,
     namespace: str = DEFAULT_NAMESPACE,
+    connect: Connect | None = None,
     prefix_max_bytes: int | None = None,
 ) -> BlockBackend:
-    """The backend named by `uri`, without a hot tier: `disk:PATH`, `redis`, `redis://...`."""
+    """The backend named by `uri`, without a hot tier: `disk:PATH`, `redis`, `redis://...`,
+    `redis+sentinel://...`; `connect(url, **pool_options)` makes a Redis client (RedisStore)."""
     if uri.startswith("disk:"):
         path = uri.removeprefix("disk:")
         if not path:
@@ -47,7 +51,9 @@ def open_backend(
         )
     if uri == "redis":
         uri = DEFAULT_REDIS_URL
-    if uri.startswith(("redis://", "rediss://", "unix://")):
+    if uri.startswith(REDIS_SCHEMES):
+        if connect is None and "+sentinel://" in uri:
+            raise ValueError("a Sentinel store URL needs a connect function (the worker passes one)")
         return RedisStore(
             uri,
             spec,
@@ -57,10 +63,13 @@ def open_backend(
             ttl_s=ttl_s,
             prefix=prefix,
             namespace=namespace,
+            connect=connect,
             prefix_max_bytes=prefix_max_bytes,
         )
     shown = re.sub(r"//.*@", "//***@", uri)  # a mistyped Redis URL may hold a password: never echo it
-    raise ValueError(f"unknown store URI {shown!r}: use disk:PATH, redis or redis://HOST:PORT/DB")
+    raise ValueError(
+        f"unknown store URI {shown!r}: use disk:PATH, redis, redis://HOST:PORT/DB or redis+sentinel://..."
+    )
 
 
 #: The spec of a backend opened to administer caches (list, info, delete, pin, unpin): those read
@@ -76,7 +85,7 @@ ADMIN_SPEC = ModelCacheSpec(
 )
 
 
-def open_for_admin(uri: str, *, prefix: str = DEFAULT_PREFIX) -> BlockBackend:
+def open_for_admin(uri: str, *, prefix: str = DEFAULT_PREFIX, connect: Connect | None = None) -> BlockBackend:
     """The backend named by `uri` for `kvrq cache` and programs: list, info, delete, pin, unpin.
 
     A disk path that holds no kvrq store is refused (StoreError) rather than created.
@@ -85,7 +94,7 @@ def open_for_admin(uri: str, *, prefix: str = DEFAULT_PREFIX) -> BlockBackend:
         path = Path(uri.removeprefix("disk:")).expanduser()
         if not (path / MARKER).is_file():
             raise StoreError(f"no kvrq store at {path} (no {MARKER}): check --store")
-    return open_backend(uri, ADMIN_SPEC, prefix=prefix)
+    return open_backend(uri, ADMIN_SPEC, prefix=prefix, connect=connect)
 
 
 def open_store(
@@ -100,6 +109,7 @@ def open_store(
     prefix: str = DEFAULT_PREFIX,
     write_behind: bool = True,
     namespace: str = DEFAULT_NAMESPACE,
+    connect: Connect | None = None,
     prefix_max_bytes: int | None = None,
 ) -> HotTierStore:
     """The store for `uri` behind a hot tier of `hot_tier_bytes` (0 keeps nothing in memory).
@@ -122,6 +132,7 @@ def open_store(
         ttl_s=ttl_s,
         prefix=prefix,
         namespace=namespace,
+        connect=connect,
         prefix_max_bytes=prefix_max_bytes,
     )
     return HotTierStore(backend, hot_tier_bytes, write_behind=write_behind)

@@ -74,6 +74,8 @@ from store.manifest import (
 from store.resp import ScatterPacker, ScatterValue, get_into
 
 DEFAULT_PREFIX = "kvrq:cache:"
+#: Makes a client for a Redis URL, given redis-py pool options (the URL's own options win).
+Connect = Callable[..., redis.Redis]
 PENDING_TTL_MS = 3_600_000  # an uncommitted block disappears after an hour
 # A put or delete that keeps losing its transaction to other writers of the same agent retries, after a
 # random pause that doubles up to RACE_PAUSE_CAP_S (full jitter: tight-looping writers fall out of step),
@@ -118,8 +120,11 @@ class RedisStore(BlockBackend):
         prefix: str = DEFAULT_PREFIX,
         value_bytes: int = MAX_VALUE_BYTES,
         namespace: str = DEFAULT_NAMESPACE,
+        connect: Connect | None = None,
         prefix_max_bytes: int | None = None,
     ) -> None:
+        """`connect(url, **pool_options)` makes the client for a URL (the worker passes producer's,
+        which knows Sentinel URLs); without it, redis-py's `from_url` forms only."""
         super().__init__(
             spec,
             quantization=quantization,
@@ -137,13 +142,15 @@ class RedisStore(BlockBackend):
         self.prefix = prefix
         if isinstance(url, str):
             # Timeouts (overridable in the URL) so a hung server cannot hang a worker's shutdown flush.
-            pool = redis.ConnectionPool.from_url(
-                url,
-                command_packer=ScatterPacker(),
-                socket_connect_timeout=SOCKET_CONNECT_TIMEOUT_S,
-                socket_timeout=SOCKET_TIMEOUT_S,
-            )
-            self._client = redis.Redis(connection_pool=pool)
+            options: dict[str, Any] = {
+                "command_packer": ScatterPacker(),
+                "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT_S,
+                "socket_timeout": SOCKET_TIMEOUT_S,
+            }
+            if connect is not None:
+                self._client = connect(url, **options)
+            else:
+                self._client = redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, **options))
             self._scatter = True
             self._owns_client = True
         else:

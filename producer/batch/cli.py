@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from producer.batch import RunNotFoundError, batch_status, cancel_batch, list_batches, run_batch
 from producer.batch.output import OutputLockedError
 from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
+from producer.redis_url import connect
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -171,7 +172,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def _with_redis(url: str, action: Callable[[Redis], int]) -> int:
     """Run `action` on a connection to `url`: an unknown run exits 1, Redis trouble 2, each with one line."""
-    connection = Redis.from_url(url)
+    connection = connect(url)
     try:
         return action(connection)
     except RunNotFoundError as exc:

@@ -37,6 +37,7 @@ from producer.batch.progress import Progress
 from producer.batch.run import BatchRun, RunState, derive_run_id, job_id_for, validate_run_id
 from producer.liveness import WorkerWatch, live_workers
 from producer.protocol import CAPACITY_FIELD, DEFAULT_QUEUE
+from producer.redis_url import connect
 
 logger = logging.getLogger("kvrq.batch")
 
@@ -132,7 +133,7 @@ def run_batch(
         if connection is None:
             if redis_url is None:
                 raise ValueError("give redis_url or connection")
-            connection = Redis.from_url(redis_url)
+            connection = connect(redis_url)
         if concurrency is None:
             concurrency = default_concurrency(connection, queue)
         driver = BatchDriver(

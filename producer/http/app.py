@@ -33,6 +33,7 @@ from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
 from producer.http.sse import OnResult, Translator, open_stream
 from producer.models import GenerationRequest, GenerationResult
 from producer.protocol import DEFAULT_REDIS_URL
+from producer.redis_url import connect
 
 logger = logging.getLogger("kvrq.http")
 
@@ -55,7 +56,7 @@ class ServeSettings:
 def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> FastAPI:
     if connection is None:
         # A connection per waiting thread (each holds one through its blocking reads), a few to spare.
-        connection = Redis.from_url(settings.redis_url, max_connections=settings.threads + 16)
+        connection = connect(settings.redis_url, max_connections=settings.threads + 16)
     bridge = Bridge(Producer(connection=connection), threads=settings.threads)
     directory = PoolDirectory(connection)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from redis import Redis
 
+from producer.redis_url import connect
 from tests.conftest import REDIS_SERVER_HINT, free_port, require_binary
 from worker.cli.spawn import worker_command
 
@@ -91,7 +92,7 @@ class WorkerProcess:
             self.proc = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT
             )
-        connection = Redis.from_url(self.redis_url)
+        connection = connect(self.redis_url)  # any kvrq URL form, Sentinel's too
         wait_for(lambda: self.exited() or self.registered(connection), timeout, "worker did not register")
         if self.exited():
             raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log()}")

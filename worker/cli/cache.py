@@ -57,6 +57,7 @@ def add_cache_commands(commands: argparse._SubParsersAction) -> None:
 def run_cache_command(
     args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None
 ) -> int:
+    from producer.redis_url import connect
     from store.agent_ids import InvalidAgentIdError
     from store.errors import StoreError
     from store.factory import open_for_admin
@@ -65,7 +66,7 @@ def run_cache_command(
 
     settings = WorkerSettings(**({"store": args.store} if args.store else {}))
     try:
-        store = open_for_admin(settings.store_uri())
+        store = open_for_admin(settings.store_uri(), connect=connect)
     except (StoreError, ValueError) as exc:
         print(f"kvrq cache: {exc}", file=err)
         return EXIT_USAGE

@@ -35,6 +35,7 @@ from producer.protocol import (
     WAITING_FIELD,
     worker_alive_key,
 )
+from producer.redis_url import connect
 from worker.latency import percentiles
 from worker.maintenance import clean_queues
 
@@ -94,7 +95,7 @@ def summary_line(result: GenerationResult, client_ttft: float | None = None) -> 
 
 def status(redis_url: str, queues: list[str] | None, out: IO[str] = sys.stdout) -> int:
     """Per queue its depth by registry and how many live workers listen; per worker what it holds."""
-    connection = Redis.from_url(redis_url)
+    connection = connect(redis_url)
     names = queues or sorted(q.name for q in Queue.all(connection=connection, serializer=SERIALIZER))
     if not names:
         print("no queues yet", file=out)
@@ -202,7 +203,7 @@ def cache_line(fields: Mapping[str, str | None]) -> str:
 def maintenance(
     redis_url: str, queues: list[str] | None, dead_worker: str | None, out: IO[str] = sys.stdout
 ) -> int:
-    connection = Redis.from_url(redis_url)
+    connection = connect(redis_url)
     names = queues or sorted(q.name for q in Queue.all(connection=connection, serializer=SERIALIZER))
     if dead_worker:
         declare_dead(connection, dead_worker)

@@ -23,6 +23,7 @@ from redis import Redis
 # blocks or their agent), in its rq worker hash. Optional: other rq workers have neither.
 from producer.protocol import RUNNING_FIELD, WAITING_FIELD
 from producer.redact import redact_url
+from producer.redis_url import connect
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 9181
@@ -122,13 +123,21 @@ def make_app(redis_url: str, *, poll_interval_ms: int | None = None) -> Any:
     """rq-dashboard's Flask app for one Redis, JSON throughout, with the kvrq workers view."""
     use_json_everywhere()
     from rq_dashboard.cli import make_flask_app
-    from rq_dashboard.web import setup_rq_connection
+    from rq_dashboard.web import push_rq_connection, upgrade_config
 
     app = make_flask_app(None, None, None, "")
-    app.config["RQ_DASHBOARD_REDIS_URL"] = redis_url
+    app.config["RQ_DASHBOARD_REDIS_URL"] = (redis_url,)
     if poll_interval_ms:
         app.config["RQ_DASHBOARD_POLL_INTERVAL"] = poll_interval_ms
-    setup_rq_connection(app)
+    upgrade_config(app)
+    # kvrq's one connection for every request (rq-dashboard would reconnect per request, with its own
+    # URL parser that knows no rediss+sentinel:// and none of kvrq's failover handling).
+    connection = connect(redis_url)
+    app.redis_conn = connection
+    hooks = app.before_request_funcs.get("rq_dashboard", [])
+    if push_rq_connection not in hooks:
+        raise RuntimeError("this rq-dashboard connects differently: kvrq dashboard needs rq-dashboard 0.9")
+    hooks[hooks.index(push_rq_connection)] = lambda: setattr(app, "redis_conn", connection)
     endpoint = "rq_dashboard.list_workers"
     if endpoint not in app.view_functions:
         raise RuntimeError(f"this rq-dashboard has no {endpoint} view: kvrq dashboard needs rq-dashboard 0.9")

@@ -20,6 +20,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from producer.protocol import DEFAULT_QUEUE
+from producer.redis_url import connect
 from worker import rqexec
 
 
@@ -72,7 +73,7 @@ def worker_process(
     with tempfile.TemporaryFile() as log_file:
         proc = subprocess.Popen([*command, *args], stdout=log_file, stderr=subprocess.STDOUT, env=env)
         try:
-            connection = Redis.from_url(redis_url)
+            connection = connect(redis_url)
             wait_until(
                 lambda: proc.poll() is not None or _listens(connection, queue), timeout, "no worker started"
             )
@@ -97,7 +98,7 @@ def _listens(connection: Redis, queue: str) -> bool:
 
 def _pings(url: str) -> bool:
     try:
-        return bool(Redis.from_url(url).ping())
+        return bool(connect(url).ping())
     except RedisError:
         return False
 

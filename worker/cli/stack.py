@@ -29,6 +29,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from producer.protocol import DEFAULT_REDIS_URL
+from producer.redis_url import connect
 from worker import rqexec
 from worker.cli.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from worker.cli.dashboard import LOOPBACK
@@ -40,6 +41,11 @@ DASHBOARD_PORT_ENV = "KVRQ_DASHBOARD_PORT"
 HTTP_PORT_ENV = "KVRQ_HTTP_PORT"
 REDIS_START_S = 10.0
 STOP_GRACE_S = 10.0  # redis-server and the dashboard; the worker gets its drain timeout on top
+#: redis.conf lines for every data server (primary and replicas) of a Sentinel-managed Redis: a primary
+#: that has lost its replica refuses writes (NOREPLICAS, which kvrq retries) rather than acknowledge writes
+#: a failover would drop; the lag bound is how stale (seconds) the replica's last ack may be. With one
+#: replica this makes an acknowledged write survive a failover (docs/scale-out.md, "Sentinel").
+SENTINEL_DATA_CONFIG = ("min-replicas-to-write 1", "min-replicas-max-lag 10")
 
 
 def add_stack_commands(commands: argparse._SubParsersAction) -> None:
@@ -216,7 +222,7 @@ class Stack:
         """Fork every child before any output thread starts (no threads at fork time), then watch."""
         (self.data_dir / "redis").mkdir(parents=True, exist_ok=True)
         redis = self._start("redis", self._redis_argv())
-        connection = Redis.from_url(self.redis_url, socket_timeout=2)
+        connection = connect(self.redis_url, socket_timeout=2)
         ready = self._wait(lambda: bool(self.signals) or redis.exited() or _pings(connection), REDIS_START_S)
         if self.signals:  # Ctrl-C while Redis was starting
             self._pump_all()

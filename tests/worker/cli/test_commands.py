@@ -13,6 +13,7 @@ import pytest
 from redis import Redis
 from rq import Worker
 
+from producer import client
 from producer.client import Producer
 from producer.models import GenerationRequest
 from producer.protocol import (
@@ -39,11 +40,17 @@ from worker.cli import commands
 from worker.latency import LatencyHistograms
 
 
+def serve_fake(monkeypatch: pytest.MonkeyPatch, connection: Redis) -> None:
+    """Every client the commands make from a URL (producer.redis_url.connect) is `connection`."""
+    for module in (commands, client):
+        monkeypatch.setattr(module, "connect", lambda url, **kw: connection)
+
+
 @pytest.fixture
 def h(monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
     harness = Harness()
     # The commands open their own connections from a URL: hand them the harness's fake server.
-    monkeypatch.setattr(Redis, "from_url", classmethod(lambda cls, url, **kw: harness.producer.connection))
+    serve_fake(monkeypatch, harness.producer.connection)
     yield harness
 
 
@@ -100,7 +107,7 @@ def test_status_shows_queues_and_workers(h: Harness) -> None:
 
 def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: pytest.MonkeyPatch) -> None:
     connection = fake_redis()
-    monkeypatch.setattr(Redis, "from_url", classmethod(lambda cls, url, **kw: connection))
+    serve_fake(monkeypatch, connection)
     producer = Producer(connection=connection)
     for prompt in "abc":
         producer.submit({"prompt": prompt})

@@ -1,0 +1,326 @@
+"""The one owner of kvrq's Redis URL rule: `connect(url)` for every client kvrq opens.
+
+Forms (the plain ones are redis-py's own, so `?socket_timeout=...` and the like work in all):
+
+    redis://[user:pass@]host:port/db      rediss://... (TLS)      unix:///path.sock?db=N
+    redis+sentinel://[user:pass@]s1:26379,s2:26379,s3:26379/MASTER[/db][?options]
+    rediss+sentinel://...                 the same, TLS to the sentinels and the primary
+
+A Sentinel URL names the sentinels (port 26379 when left out) and the master's name; the client
+asks them for the current primary and asks again whenever a connection is made. Its user and
+password are the primary's; sentinels that have a password of their own take
+`?sentinel_username=...&sentinel_password=...`. `?wait=N&wait_timeout=MS` (defaults 1 and 2000
+for Sentinel URLs, 0 for plain ones) is the number of replicas an enqueue waits for (Redis `WAIT`)
+before the producer reports it done: see docs/scale-out.md.
+
+Connections made here treat a READONLY or NOREPLICAS reply as an outage: they disconnect (a
+Sentinel connection then finds the new primary on its next connect) and raise redis-py's
+ConnectionError, which every caller already waits out with backoff. A demoted primary answers
+READONLY; one that lost its replicas under `min-replicas-to-write` answers NOREPLICAS.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+
+from redis import Redis
+from redis.connection import Connection, ConnectionPool, SSLConnection, parse_url
+from redis.exceptions import AuthenticationError, AuthorizationError, ReadOnlyError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+
+from producer.redact import redact_url
+
+T = TypeVar("T")
+log = logging.getLogger("kvrq.redis")
+
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
+DEFAULT_SENTINEL_PORT = 26379
+DEFAULT_WAIT_TIMEOUT_MS = 2000
+#: Replies of a server that is not (or no longer) the writable primary; none of them ran the command.
+#: UNBLOCKED: a blocking read (BLMOVE, ...) on a primary that turned replica.
+_FAILOVER_REPLIES = ("READONLY", "NOREPLICAS", "UNBLOCKED")
+#: The key `wait_replicated` writes before its WAIT.
+REPLICATION_MARK_KEY = "kvrq:replication-mark"
+#: Query options read here; the rest go to redis-py like those of a plain URL.
+_OWN_OPTIONS = ("sentinel_username", "sentinel_password", "wait", "wait_timeout")
+#: Options of a data connection that a sentinel connection shares (timeouts and TLS settings).
+_SHARED_PREFIXES = ("socket_", "ssl_")
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """A parsed Sentinel URL."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    tls: bool
+    options: dict[str, Any] = field(default_factory=dict)  # db, username, password, socket_timeout, ...
+    sentinel_options: dict[str, Any] = field(default_factory=dict)
+    wait: int = 1
+    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.partition("://")[0].lower() in SENTINEL_SCHEMES
+
+
+def is_redis_url(url: str) -> bool:
+    """Whether `url` is one of the forms `connect` takes."""
+    return url.startswith(("redis://", "rediss://", "unix://")) or is_sentinel_url(url)
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """The parts of a `redis+sentinel://` URL; ValueError (password masked) when it is malformed."""
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in SENTINEL_SCHEMES:
+        raise ValueError(f"not a Sentinel URL: {shown!r} (redis+sentinel://HOST:PORT,.../MASTER[/DB])")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    sentinels = tuple(_host_port(item, shown) for item in hosts.split(",") if item.strip())
+    if not sentinels:
+        raise ValueError(f"Sentinel URL {shown!r} names no sentinel")
+    path = [unquote(p) for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise ValueError(f"Sentinel URL {shown!r} needs /MASTER or /MASTER/DB after the sentinels")
+    query = dict(parse_qsl(parts.query, keep_blank_values=False))
+    own = {name: query.pop(name) for name in _OWN_OPTIONS if name in query}
+    # redis-py parses the rest (types included) as it would for a plain URL to the primary.
+    plain = f"{'rediss' if SENTINEL_SCHEMES[scheme] else 'redis'}://{userinfo + '@' if userinfo else ''}x"
+    if len(path) == 2:
+        query.setdefault("db", path[1])
+    try:
+        options = parse_url(f"{plain}/?{urlencode(query)}" if query else plain)
+    except ValueError as exc:
+        raise ValueError(f"Sentinel URL {shown!r}: {exc}") from None
+    options.pop("host", None)
+    options.pop("connection_class", None)
+    sentinel_options = {k: v for k, v in options.items() if k.startswith(_SHARED_PREFIXES)}
+    for name in ("username", "password"):
+        if f"sentinel_{name}" in own:
+            sentinel_options[name] = own[f"sentinel_{name}"]
+    return SentinelTarget(
+        sentinels=sentinels,
+        master=path[0],
+        tls=SENTINEL_SCHEMES[scheme],
+        options=options,
+        sentinel_options=sentinel_options,
+        wait=_count(own.get("wait", "1"), "wait", shown),
+        wait_timeout_ms=_count(own.get("wait_timeout", str(DEFAULT_WAIT_TIMEOUT_MS)), "wait_timeout", shown),
+    )
+
+
+def connect(url: str, **pool_options: Any) -> Redis:
+    """A client for `url` (any form above); `pool_options` as for redis-py's pools (max_connections,
+    socket_timeout, command_packer, ...), where the URL's own options win. Nothing is sent until used."""
+    if is_sentinel_url(url):
+        target = parse_sentinel_url(url)
+        options = {**pool_options, **target.options}
+        sentinel_options = {k: v for k, v in options.items() if k.startswith(_SHARED_PREFIXES)}
+        sentinel_options.update(target.sentinel_options)
+        if target.tls:
+            sentinel_options["ssl"] = True
+        manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
+        client = manager.master_for(
+            target.master,
+            connection_pool_class=FailoverSentinelPool,
+            ssl=target.tls,
+            wait_replicas=target.wait,
+            wait_timeout_ms=target.wait_timeout_ms,
+            **options,
+        )
+        return client
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            f"unknown Redis URL {redact_url(url)!r}: use redis://, rediss://, unix:// or "
+            "redis+sentinel://HOST:PORT,.../MASTER"
+        )
+    kwargs = parse_url(url)
+    plain = {Connection: FailoverConnection, SSLConnection: FailoverSSLConnection}
+    connection_class = kwargs.get("connection_class", Connection)
+    options = {**pool_options}
+    if connection_class in plain and "connection_class" not in options:
+        options["connection_class"] = plain[connection_class]
+    return Redis(connection_pool=ConnectionPool.from_url(url, **options))
+
+
+class WriteRefusedError(RedisConnectionError):
+    """The server refused a command as not the writable primary (READONLY, NOREPLICAS): nothing ran."""
+
+
+class PrimaryUnreachableError(RedisConnectionError):
+    """No connection to the primary could be made (or Sentinel knows none yet): nothing was sent."""
+
+
+class NotReplicatedError(RedisConnectionError):
+    """Written on the primary, but fewer replicas than the URL's `wait` confirmed it in time."""
+
+
+#: Errors after which nothing was run, so a write may be sent again as it is.
+UNSENT = (WriteRefusedError, PrimaryUnreachableError)
+#: Errors after which a read may simply be sent again (a failover closes every client's connection).
+READ_RETRY: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+#: How long `retry_unsent` keeps trying. Sentinel announces a new primary within seconds; with one replica
+#: and min-replicas-to-write 1 it takes writes once the old primary rejoins as its replica (10-20 s).
+FAILOVER_BUDGET_S = 30.0
+
+
+def retry_unsent(
+    action: Callable[[], T],
+    *,
+    budget_s: float = FAILOVER_BUDGET_S,
+    errors: tuple[type[Exception], ...] = UNSENT,
+) -> T:
+    """`action()`, tried again with backoff while it fails with `errors`, for up to `budget_s`.
+
+    UNSENT (the default) are safe to retry for any command; pass READ_RETRY for reads only.
+    """
+    deadline = time.monotonic() + budget_s
+    delay = 0.05
+    while True:
+        try:
+            return action()
+        except errors as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.info("Redis primary unavailable (%s): retry in %.2f s", exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def replicas_to_wait(connection: Redis) -> tuple[int, int]:
+    """(replicas, timeout in ms) an enqueue on `connection` waits for: (0, 0) unless its URL asks."""
+    pool = getattr(connection, "connection_pool", None)
+    return (getattr(pool, "wait_replicas", 0), getattr(pool, "wait_timeout_ms", 0))
+
+
+def wait_replicated(connection: Redis, keys: Sequence[str]) -> None:
+    """Return once `keys` (just written) are on the primary and on the replicas the URL's `wait` asks
+    for; raise NotReplicatedError when that cannot be confirmed. A no-op for plain URLs.
+
+    WAIT counts the writes of its own connection, which need not be the one that wrote `keys`: so it
+    follows a small write of its own, which lies after theirs in the replication stream, and then checks
+    that `keys` exist there (a failover in between may have dropped them: then they do not).
+    """
+    replicas, timeout_ms = replicas_to_wait(connection)
+    if replicas <= 0 or not keys:
+        return
+
+    def confirm() -> tuple[int, int]:
+        with connection.pipeline(transaction=False) as pipe:
+            pipe.set(REPLICATION_MARK_KEY, b"1", px=60_000)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            pipe.exists(*keys)
+            _, confirmed, present = pipe.execute()
+        return int(confirmed), int(present)
+
+    confirmed, present = retry_unsent(confirm)
+    if present < len(keys):
+        raise NotReplicatedError(
+            f"{len(keys) - present} of {len(keys)} written key(s) are gone: the primary failed over "
+            "before they reached a replica (resubmit them)"
+        )
+    if confirmed < replicas:
+        raise NotReplicatedError(
+            f"written, but confirmed by {confirmed} of {replicas} replica(s) within {timeout_ms} ms: "
+            "it may be lost if the primary fails now (resubmitting with the same job ids is safe)"
+        )
+
+
+def is_failover_reply(exc: BaseException) -> bool:
+    """A reply that means "not the writable primary now": READONLY, NOREPLICAS (min-replicas), UNBLOCKED."""
+    return isinstance(exc, ReadOnlyError) or (
+        isinstance(exc, ResponseError) and str(exc).startswith(_FAILOVER_REPLIES)
+    )
+
+
+class _FailoverAware:
+    """Failover replies and failed connects become UNSENT errors (see the module docstring)."""
+
+    def connect(self) -> None:
+        try:
+            super().connect()  # type: ignore[misc]
+        except (AuthenticationError, AuthorizationError):
+            raise
+        except RedisConnectionError as exc:
+            raise PrimaryUnreachableError(str(exc)) from exc
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except ResponseError as exc:
+            if not is_failover_reply(exc):
+                raise
+            self.disconnect()  # type: ignore[attr-defined]
+            raise WriteRefusedError(f"Redis primary refused a write ({exc}): reconnecting") from exc
+        except RedisConnectionError as exc:
+            if str(exc) != "The previous master is now a slave":  # redis-py's own READONLY handling
+                raise
+            raise WriteRefusedError(f"Redis primary was demoted ({exc}): reconnecting") from exc
+
+
+class FailoverConnection(_FailoverAware, Connection):
+    pass
+
+
+class FailoverSSLConnection(_FailoverAware, SSLConnection):
+    pass
+
+
+class _ResolvesOnReconnect:
+    """A Sentinel connection that asks the sentinels again whenever it reconnects.
+
+    redis-py's re-resolves only when the pool hands a connection out; one that drops while checked
+    out (a pipeline watching keys) reconnected to its old address: the demoted primary, for good.
+    """
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:  # type: ignore[attr-defined]
+            self.connect()  # type: ignore[attr-defined]
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+
+class FailoverSentinelConnection(_FailoverAware, _ResolvesOnReconnect, SentinelManagedConnection):
+    pass
+
+
+class FailoverSSLSentinelConnection(
+    _FailoverAware, _ResolvesOnReconnect, SentinelManagedConnection, SSLConnection
+):
+    pass
+
+
+class FailoverSentinelPool(SentinelConnectionPool):
+    """A Sentinel pool of failover-aware connections that also carries the URL's WAIT setting."""
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        self.wait_replicas = int(kwargs.pop("wait_replicas", 0))
+        self.wait_timeout_ms = int(kwargs.pop("wait_timeout_ms", 0))
+        tls = kwargs.pop("ssl", False)
+        kwargs.setdefault(
+            "connection_class", FailoverSSLSentinelConnection if tls else FailoverSentinelConnection
+        )
+        super().__init__(service_name, sentinel_manager, **kwargs)
+
+
+def _host_port(item: str, shown: str) -> tuple[str, int]:
+    host, colon, port = item.strip().rpartition(":")
+    if not colon or "]" in port:  # no port given (an IPv6 literal ends in "]")
+        host, port = item.strip(), str(DEFAULT_SENTINEL_PORT)
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ValueError(f"Sentinel URL {shown!r}: bad sentinel address {item!r} (want HOST:PORT)")
+    return host, int(port)
+
+
+def _count(value: str, name: str, shown: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"Sentinel URL {shown!r}: {name} must be a whole number, got {value!r}")
+    return int(value)

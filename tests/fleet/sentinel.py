@@ -1,0 +1,144 @@
+"""A Sentinel topology on loopback for tests: one primary, one replica, three sentinels (real redis-server).
+
+The data servers run with kvrq's shipped failover settings (worker.cli.stack.SENTINEL_DATA_CONFIG):
+`min-replicas-to-write 1`, so a primary that lost its replica refuses writes instead of acknowledging
+ones a failover would drop.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from tests.conftest import REDIS_SERVER_HINT, free_port, require_binary
+from tests.worker.procs import _accepts, wait_for
+from worker.cli.stack import SENTINEL_DATA_CONFIG
+
+MASTER = "kvrq"
+
+
+class SentinelTopology:
+    """Start, inspect and fail over a primary + replica watched by three sentinels."""
+
+    def __init__(self, workdir: Path, *, sentinels: int = 3) -> None:
+        self.binary = require_binary("redis-server", REDIS_SERVER_HINT)
+        self.workdir = workdir
+        self.data_ports = [free_port(), free_port()]
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        """The kvrq URL for this topology's queue Redis."""
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{MASTER}/0"
+
+    def start(self) -> SentinelTopology:
+        primary, replica = self.data_ports
+        self._spawn("primary", self._data_config(primary, None))
+        self._spawn("replica", self._data_config(replica, primary))
+        wait_until(
+            lambda: self.role(replica) == "slave" and self._linked(replica), 15, "replica never synced"
+        )
+        for port in self.sentinel_ports:
+            self._spawn(f"sentinel-{port}", self._sentinel_config(port, primary), sentinel=True)
+        wait_until(self._sentinels_agree, 20, "sentinels never saw the replica and each other")
+        return self
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.procs.clear()
+
+    def primary_port(self) -> int:
+        """The port the sentinels announce as primary now."""
+        address: Any = self.sentinel(0).sentinel_get_master_addr_by_name(MASTER)
+        return int(address[1])
+
+    def sentinel(self, index: int) -> Redis:
+        return Redis(host="127.0.0.1", port=self.sentinel_ports[index], socket_timeout=2)
+
+    def data(self, port: int) -> Redis:
+        return Redis(host="127.0.0.1", port=port, socket_timeout=2)
+
+    def role(self, port: int) -> str:
+        try:
+            return str(self.data(port).info("replication")["role"])
+        except RedisError:
+            return "down"
+
+    def failover(self, timeout: float = 30) -> int:
+        """SENTINEL FAILOVER; return the new primary's port once the old one serves as its replica."""
+        old = self.primary_port()
+        self.sentinel(0).sentinel_failover(MASTER)
+        wait_until(lambda: self.primary_port() != old, timeout, "no new primary announced")
+        new = self.primary_port()
+        wait_until(
+            lambda: self.role(old) == "slave" and self._linked(old), timeout, "old primary never demoted"
+        )
+        return new
+
+    def _linked(self, port: int) -> bool:
+        info = self.data(port).info("replication")
+        return info.get("master_link_status") == "up"
+
+    def _sentinels_agree(self) -> bool:
+        try:
+            for index in range(len(self.sentinel_ports)):
+                state: Any = self.sentinel(index).sentinel_master(MASTER)
+                peers = len(self.sentinel_ports) - 1
+                if int(state["num-slaves"]) < 1 or int(state["num-other-sentinels"]) < peers:
+                    return False
+            return True
+        except RedisError:
+            return False
+
+    def _data_config(self, port: int, replica_of: int | None) -> str:
+        lines = [
+            f"port {port}",
+            "bind 127.0.0.1",
+            'save ""',
+            "appendonly no",
+            f"dir {self.workdir}",
+            f"dbfilename dump-{port}.rdb",
+            *SENTINEL_DATA_CONFIG,
+        ]
+        if replica_of is not None:
+            lines.append(f"replicaof 127.0.0.1 {replica_of}")
+        return "\n".join(lines) + "\n"
+
+    def _sentinel_config(self, port: int, primary: int) -> str:
+        return (
+            f"port {port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+            f"sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n"
+            f"sentinel down-after-milliseconds {MASTER} 1000\n"
+            f"sentinel failover-timeout {MASTER} 3000\n"
+        )
+
+    def _spawn(self, name: str, config: str, *, sentinel: bool = False) -> None:
+        path = self.workdir / f"{name}.conf"
+        path.write_text(config)
+        argv = [self.binary, str(path), *(["--sentinel"] if sentinel else [])]
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115  (held by the child)
+        self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        port = int(config.split()[1])
+        wait_until(lambda: _accepts(port), 10, f"{name} did not start on port {port}")
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, message: str, interval: float = 0.05) -> None:
+    """procs.wait_for, where a server that does not answer yet counts as "not yet"."""
+
+    def answered() -> bool:
+        try:
+            return condition()
+        except (OSError, RedisError):
+            return False
+
+    wait_for(answered, timeout, message, interval)

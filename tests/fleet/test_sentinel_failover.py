@@ -1,0 +1,199 @@
+"""A real worker (builtin SmolLM2) and producers on a Sentinel-managed Redis, through `SENTINEL FAILOVER`.
+
+One primary, one replica and three sentinels (redis-server binaries, loopback); the worker keeps its
+queue and its agent caches there (`--store redis`), both through the `redis+sentinel://` URL. While a
+producer enqueues a steady stream of jobs, the primary fails over: every enqueue that returned is on
+the new primary and finishes, exactly once (one rq result, never a second run), the worker never exits,
+and jobs enqueued after the switch run. The default suite runs one round; `-m chaos` runs 20.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from redis import Redis
+from rq.job import Job
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from producer.batch import run_batch
+from producer.client import Producer
+from producer.http.app import ServeSettings, create_app
+from producer.protocol import DEFAULT_QUEUE
+from tests.fleet.sentinel import SentinelTopology, wait_until
+from tests.worker.procs import WorkerProcess
+from worker.cli import commands
+from worker.cli.dashboard import make_app
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SYSTEM = "You are a concise assistant. Answer in one short sentence."
+MODEL = "smollm2-135m"
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a color."}]
+ENQUEUE_EVERY_S = 0.25
+RESULT_TIMEOUT_S = 240
+
+
+@pytest.fixture
+def topology(tmp_path: Path) -> Iterator[SentinelTopology]:
+    (tmp_path / "redis").mkdir()
+    started = SentinelTopology(tmp_path / "redis").start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def worker(topology: SentinelTopology, tmp_path: Path) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(
+        topology.url, tmp_path, name="kvrq-sentinel", args=["--store", "redis", "--max-batch", "16"]
+    )
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def request(index: int) -> dict[str, object]:
+    question = f"Count from {index % 7} to {index % 7 + 3}."
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return {"agent_id": f"agent-{index % 5}", "messages": messages, "max_tokens": 4}
+
+
+class EnqueueStream:
+    """Enqueues one job every ENQUEUE_EVERY_S from its own thread; records what was acknowledged."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.producer = Producer(url)
+        self.prefix = prefix
+        self.acknowledged: list[str] = []
+        self.refused: list[str] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        index = 0
+        while not self.stopping.is_set():
+            job_id = f"{self.prefix}-{index}"
+            try:
+                self.producer.submit(request(index), job_id=job_id)
+                self.acknowledged.append(job_id)
+            except Exception as exc:  # an enqueue may raise: then it is not counted as acknowledged
+                self.refused.append(f"{job_id}: {exc!r}")
+            index += 1
+            self.stopping.wait(ENQUEUE_EVERY_S)
+
+    def __enter__(self) -> EnqueueStream:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=120)
+        self.producer.close()
+
+
+def finished_once(connection: Redis, job_ids: list[str]) -> dict[str, str]:
+    """job id -> what is wrong with it, for the jobs that did not finish with exactly one result."""
+    serializer = JSONSerializer()
+    wrong = {}
+    for job_id in job_ids:
+        status = connection.hget(Job.key_for(job_id), "status")
+        if status != b"finished":
+            wrong[job_id] = f"status {status!r}"
+            continue
+        results = Result.all(Job(job_id, connection=connection), serializer=serializer)
+        if len(results) != 1 or results[0].type != Result.Type.SUCCESSFUL:
+            wrong[job_id] = f"{len(results)} results: {[r.type for r in results]}"
+    return wrong
+
+
+def failover_round(topology: SentinelTopology, worker: WorkerProcess, round_no: int) -> None:
+    before = topology.primary_port()
+    with EnqueueStream(topology.url, f"r{round_no}") as stream:
+        wait_until(lambda: len(stream.acknowledged) >= 4, 60, "no enqueue acknowledged before the failover")
+        new = topology.failover()
+        assert new != before
+        switched = len(stream.acknowledged) + len(stream.refused)
+        try:
+            wait_until(lambda: len(stream.acknowledged) >= switched + 4, 60, "")
+        except AssertionError:
+            where = "".join(traceback.format_stack(sys._current_frames()[stream.thread.ident or 0]))
+            raise AssertionError(
+                f"no enqueue acknowledged after the switch; raised: {stream.refused[-5:]}; "
+                f"enqueuing at:\n{where}"
+            ) from None
+    assert not worker.exited(), worker.log()[-4000:]
+    acknowledged = stream.acknowledged
+    after_switch = acknowledged[switched:]
+    assert after_switch, "nothing was enqueued after the switch"
+    primary = topology.data(new)
+    missing = [job_id for job_id in acknowledged if not primary.exists(Job.key_for(job_id))]
+    assert missing == [], f"acknowledged enqueues not on the new primary: {missing}"
+
+    def all_ended() -> bool:
+        statuses = [primary.hget(Job.key_for(job_id), "status") for job_id in acknowledged]
+        return all(s in (b"finished", b"failed") for s in statuses)
+
+    wait_until(all_ended, RESULT_TIMEOUT_S, "acknowledged jobs did not all end", interval=0.5)
+    assert finished_once(primary, acknowledged) == {}
+    assert not worker.exited(), worker.log()[-4000:]
+    print(
+        f"round {round_no}: {len(acknowledged)} acknowledged ({len(after_switch)} after the switch), "
+        f"{len(stream.refused)} raised: {stream.refused[:3]}"
+    )
+
+
+def test_every_entry_point_takes_the_sentinel_url(
+    topology: SentinelTopology, worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """Producer, kvrq serve, a batch run, kvrq status and the dashboard, against one real worker."""
+    with Producer(topology.url) as producer:
+        handle = producer.submit(request(0))
+        # The Sentinel URL's default wait=1: submit returned once the replica held the job too.
+        replica = next(port for port in topology.data_ports if port != topology.primary_port())
+        assert topology.data(replica).exists(Job.key_for(handle.id))
+        result = handle.result(timeout=RESULT_TIMEOUT_S)
+    assert result.text and result.usage.generated_tokens > 0
+    primary = topology.data(topology.primary_port())
+    assert primary.keys("kvrq:cache:*"), "the worker's Redis store wrote nothing through the Sentinel URL"
+
+    http = TestClient(create_app(ServeSettings(redis_url=topology.url)))
+    answer = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "messages": MESSAGES})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
+
+    line = {"custom_id": "one", "method": "POST", "url": "/v1/chat/completions"}
+    (tmp_path / "in.jsonl").write_text(json.dumps({**line, "body": {"messages": MESSAGES, "max_tokens": 4}}))
+    summary = run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", redis_url=topology.url, progress=False)
+    assert (summary.state, summary.done) == ("done", 1)
+
+    out = io.StringIO()
+    assert commands.status(topology.url, None, out) == 0
+    assert "kvrq-sentinel" in out.getvalue()
+
+    dashboard = make_app(topology.url).test_client()
+    rows = dashboard.get("/0/data/workers.json").get_json()["workers"]
+    assert [row["name"] for row in rows] == ["kvrq-sentinel"]
+    assert primary.llen(f"rq:queue:{DEFAULT_QUEUE}") == 0
+
+
+def test_a_failover_loses_no_acknowledged_enqueue_and_runs_each_job_once(
+    topology: SentinelTopology, worker: WorkerProcess
+) -> None:
+    failover_round(topology, worker, 0)
+
+
+@pytest.mark.chaos
+def test_twenty_failovers(topology: SentinelTopology, worker: WorkerProcess) -> None:
+    for round_no in range(20):
+        started = time.monotonic()
+        failover_round(topology, worker, round_no)
+        print(f"round {round_no}: {time.monotonic() - started:.1f} s")
