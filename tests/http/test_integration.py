@@ -293,6 +293,19 @@ def test_forced_tool_calls_and_json_output_on_the_builtin(
     assert call.function.name == "lookup_capital"  # type: ignore[union-attr]
     assert set(json.loads(call.function.arguments)) == {"country"}  # type: ignore[union-attr]
 
+    parallel = client.chat.completions.create(  # OpenAI's default: parallel calls allowed
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        tools=[LOOKUP],  # type: ignore[list-item]
+        tool_choice="required",
+        max_completion_tokens=120,
+        **GREEDY,
+    )
+    choice = parallel.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls  # ended at its repeat
+    assert len({c.function.arguments for c in choice.message.tool_calls}) == len(choice.message.tool_calls)  # type: ignore[union-attr]
+    assert parallel.usage is not None and parallel.usage.completion_tokens < 120
+
     message = claude.messages.create(
         model=MODEL,
         max_tokens=48,
