@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from redis import Redis
 
@@ -145,3 +147,27 @@ def _loaded(url: str) -> bool:
         return bool(Redis.from_url(url).ping())
     except Exception:
         return False
+
+
+@contextlib.contextmanager
+def worker_per_queue(
+    redis_url: str, factory: Any, label: str, queues: Sequence[str], args: Sequence[str]
+) -> Iterator[list[WorkerProcess]]:
+    """One started `kvrq worker` per queue (named kvrq-<label>-<queue>), all killed on exit."""
+    procs = [
+        WorkerProcess(
+            redis_url,
+            factory.mktemp(f"{label}-{queue}"),
+            name=f"kvrq-{label}-{queue}",
+            queue=queue,
+            args=args,
+        )
+        for queue in queues
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()

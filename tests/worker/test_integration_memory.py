@@ -17,11 +17,12 @@ import pytest
 
 from producer.client import Producer
 from producer.models import GenerationResult
-from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
+from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for, worker_per_queue
 from tests.worker.test_integration_crash import FAST_LIVENESS, generating, holder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+STORE_ARGS = ["--store", "redis", "--max-batch", "4"]
 SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."}
 
 
@@ -43,23 +44,8 @@ def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
 
 @pytest.fixture(scope="module")
 def two_workers(shared_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    procs = [
-        WorkerProcess(
-            shared_redis.url,
-            tmp_path_factory.mktemp(f"memory-{queue}"),
-            name=f"kvrq-memory-{queue}",
-            queue=queue,
-            args=["--store", "redis", "--max-batch", "4"],
-        )
-        for queue in ("qa", "qb")
-    ]
-    try:
-        for proc in procs:
-            proc.start()
+    with worker_per_queue(shared_redis.url, tmp_path_factory, "memory", ("qa", "qb"), STORE_ARGS):
         yield
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture

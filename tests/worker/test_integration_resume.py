@@ -16,7 +16,7 @@ import pytest
 
 from producer.client import JobHandle, Producer
 from producer.models import GenerationResult
-from tests.worker.procs import RedisProcess, WorkerProcess
+from tests.worker.procs import RedisProcess, WorkerProcess, worker_per_queue
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.mlx_path]
 
@@ -36,23 +36,9 @@ def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProces
 def workers(
     redis_proc: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[WorkerProcess]]:
-    procs = [
-        WorkerProcess(
-            redis_proc.url,
-            tmp_path_factory.mktemp(f"worker-{queue}"),
-            name=f"kvrq-resume-{queue}",
-            queue=queue,
-            args=["--store", "redis", "--max-batch", "4"],
-        )
-        for queue in ("qa", "qb")
-    ]
-    try:
-        for proc in procs:
-            proc.start()
+    args = ["--store", "redis", "--max-batch", "4"]
+    with worker_per_queue(redis_proc.url, tmp_path_factory, "resume", ("qa", "qb"), args) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture
