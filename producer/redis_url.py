@@ -13,10 +13,12 @@ password are the primary's; sentinels that have a password of their own take
 for Sentinel URLs, 0 for plain ones) is the number of replicas an enqueue waits for (Redis `WAIT`)
 before the producer reports it done: see docs/scale-out.md.
 
-Connections made here treat a READONLY or NOREPLICAS reply as an outage: they disconnect (a
-Sentinel connection then finds the new primary on its next connect) and raise redis-py's
-ConnectionError, which every caller already waits out with backoff. A demoted primary answers
-READONLY; one that lost its replicas under `min-replicas-to-write` answers NOREPLICAS.
+Connections made here treat a READONLY, NOREPLICAS or UNBLOCKED reply as an outage: they disconnect
+(a Sentinel connection then finds the new primary on its next connect) and raise WriteRefusedError, a
+redis-py ConnectionError, which every caller already waits out with backoff. A demoted primary answers
+READONLY; one that lost its replica under `min-replicas-to-write` answers NOREPLICAS. Why: a failover
+otherwise loses writes clients were told had succeeded (docs/scale-out.md, "What makes a failover
+lose nothing").
 """
 
 from __future__ import annotations
@@ -190,7 +192,8 @@ def retry_unsent(
         except errors as exc:
             if time.monotonic() + delay > deadline:
                 raise
-            log.info("Redis primary unavailable (%s): retry in %.2f s", exc, delay)
+            if delay == 0.05:  # once per call: a wrong URL should not look like a hang
+                log.warning("Redis primary unavailable (%s): retrying for up to %.0f s", exc, budget_s)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

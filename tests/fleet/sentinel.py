@@ -40,14 +40,17 @@ class SentinelTopology:
 
     def start(self) -> SentinelTopology:
         primary, replica = self.data_ports
-        self._spawn("primary", self._data_config(primary, None))
-        self._spawn("replica", self._data_config(replica, primary))
-        wait_until(
-            lambda: self.role(replica) == "slave" and self._linked(replica), 15, "replica never synced"
-        )
-        for port in self.sentinel_ports:
-            self._spawn(f"sentinel-{port}", self._sentinel_config(port, primary), sentinel=True)
-        wait_until(self._sentinels_agree, 20, "sentinels never saw the replica and each other")
+        try:
+            self._spawn("primary", self._data_config(primary, None))
+            self._spawn("replica", self._data_config(replica, primary))
+            synced = lambda: self.role(replica) == "slave" and self._linked(replica)  # noqa: E731
+            wait_until(synced, 15, "replica never synced")
+            for port in self.sentinel_ports:
+                self._spawn(f"sentinel-{port}", self._sentinel_config(port, primary), sentinel=True)
+            wait_until(self._sentinels_agree, 20, "sentinels never saw the replica and each other")
+        except BaseException:
+            self.stop()  # nothing left running when a start fails
+            raise
         return self
 
     def stop(self) -> None:
@@ -75,15 +78,44 @@ class SentinelTopology:
             return "down"
 
     def failover(self, timeout: float = 30) -> int:
-        """SENTINEL FAILOVER; return the new primary's port once the old one serves as its replica."""
+        """SENTINEL FAILOVER once every sentinel sees a healthy replica; return the new primary's port
+        once the old one serves as its replica and the new one takes writes again."""
         old = self.primary_port()
+        wait_until(self._ready_to_fail_over, timeout, f"no replica fit to promote:\n{self._events()}")
         self.sentinel(0).sentinel_failover(MASTER)
-        wait_until(lambda: self.primary_port() != old, timeout, "no new primary announced")
-        new = self.primary_port()
         wait_until(
-            lambda: self.role(old) == "slave" and self._linked(old), timeout, "old primary never demoted"
+            lambda: self.primary_port() != old, timeout, f"no new primary announced:\n{self._events()}"
         )
+        new = self.primary_port()
+        demoted = lambda: self.role(old) == "slave" and self._linked(old)  # noqa: E731
+        wait_until(demoted, timeout, f"old primary never demoted:\n{self._events()}")
         return new
+
+    def _ready_to_fail_over(self) -> bool:
+        """Every sentinel agrees on the primary and lists a replica that is up and linked to it."""
+        primary = self.primary_port()
+        for index in range(len(self.sentinel_ports)):
+            state: Any = self.sentinel(index).sentinel_master(MASTER)
+            if int(state["port"]) != primary:
+                return False
+            replicas: Any = self.sentinel(index).sentinel_slaves(MASTER)
+            fit = [
+                r
+                for r in replicas
+                if not (r["is_sdown"] or r["is_odown"]) and r["master-link-status"] == "ok"
+            ]
+            if not fit:
+                return False
+        return int(self.data(primary).info("replication")["min_slaves_good_slaves"]) >= 1
+
+    def _events(self) -> str:
+        """The sentinels' failover events, for a failure message."""
+        marks = ("failover", "switch-master", "selected-slave", "sdown", "odown", "elected", "NOGOOD")
+        lines = []
+        for port in self.sentinel_ports:
+            log = (self.workdir / f"sentinel-{port}.log").read_text(errors="replace").splitlines()
+            lines += [f"{port}: {line}" for line in log if any(mark in line for mark in marks)]
+        return "\n".join(lines[-30:])
 
     def _linked(self, port: int) -> bool:
         info = self.data(port).info("replication")
@@ -126,8 +158,8 @@ class SentinelTopology:
         path = self.workdir / f"{name}.conf"
         path.write_text(config)
         argv = [self.binary, str(path), *(["--sentinel"] if sentinel else [])]
-        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115  (held by the child)
-        self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        with open(self.workdir / f"{name}.log", "ab") as log:  # the child keeps its own copy
+            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
         port = int(config.split()[1])
         wait_until(lambda: _accepts(port), 10, f"{name} did not start on port {port}")
 

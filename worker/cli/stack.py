@@ -4,8 +4,8 @@
 rq-dashboard, the HTTP server `kvrq serve`) as its own child processes, prefixes their output with
 their names, and on Ctrl-C or SIGTERM stops them in an order that loses nothing: the HTTP server
 and the dashboard, then the worker (which drains: its jobs finish or go back to their queue), then
-Redis (which writes its AOF). Children
-run in their own sessions so Ctrl-C reaches only `kvrq up`, and on Linux they get SIGTERM if it
+Redis (which writes its AOF). With `--sentinel` Redis is a primary, a replica and three sentinels
+(stopped first, so stopping the stack fails nothing over). Children run in their own sessions so Ctrl-C reaches only `kvrq up`, and on Linux they get SIGTERM if it
 dies without stopping them.
 """
 
@@ -46,6 +46,9 @@ STOP_GRACE_S = 10.0  # redis-server and the dashboard; the worker gets its drain
 #: a failover would drop; the lag bound is how stale (seconds) the replica's last ack may be. With one
 #: replica this makes an acknowledged write survive a failover (docs/scale-out.md, "Sentinel").
 SENTINEL_DATA_CONFIG = ("min-replicas-to-write 1", "min-replicas-max-lag 10")
+SENTINEL_MASTER = "kvrq"
+SENTINEL_PORT_OFFSET = 20000  # `kvrq up --sentinel`: sentinels on the Redis port + 20000, +1, +2 (26379...)
+SENTINELS = 3
 
 
 def add_stack_commands(commands: argparse._SubParsersAction) -> None:
@@ -75,6 +78,13 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:
         "--http-port",
         type=int,
         help=f"kvrq serve's port (OpenAI and Anthropic HTTP) [${HTTP_PORT_ENV} or {DEFAULT_HTTP_PORT}]",
+    )
+    up.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="run Redis as a primary (the Redis port), a replica (port + 1) and 3 sentinels (port + 20000, "
+        "+1, +2), with min-replicas-to-write 1; every process uses the redis+sentinel:// URL "
+        "(docs/scale-out.md)",
     )
     up.add_argument("--no-dashboard", action="store_true", help="run no rq-dashboard")
     up.add_argument("--no-http", action="store_true", help="run no HTTP server (kvrq serve)")
@@ -130,7 +140,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"kvrq up: {problem}", file=sys.stderr)
         return 2
     dashboard_port = None if args.no_dashboard else args.dashboard_port
-    return Stack(args.redis_port, dashboard_port, args.dir, None if args.no_http else args.http_port).run()
+    http_port = None if args.no_http else args.http_port
+    return Stack(args.redis_port, dashboard_port, args.dir, http_port, sentinel=args.sentinel).run()
 
 
 def _cannot_start(args: argparse.Namespace) -> str | None:
@@ -144,6 +155,11 @@ def _cannot_start(args: argparse.Namespace) -> str | None:
     if not args.no_http and not all(importlib.util.find_spec(name) for name in ("fastapi", "uvicorn")):
         return "kvrq serve needs fastapi and uvicorn: pip install -e '.[serve]', or run with --no-http"
     ports = [("Redis", "--redis-port", REDIS_PORT_ENV, args.redis_port)]
+    if getattr(args, "sentinel", False):
+        extra = [1, *(SENTINEL_PORT_OFFSET + n for n in range(SENTINELS))]
+        ports += [
+            ("the replica and sentinels", "--redis-port", REDIS_PORT_ENV, args.redis_port + n) for n in extra
+        ]
     if not args.no_dashboard:
         ports.append(("the dashboard", "--dashboard-port", DASHBOARD_PORT_ENV, args.dashboard_port))
     if not args.no_http:
@@ -197,10 +213,22 @@ class Child:
 
 class Stack:
     def __init__(
-        self, redis_port: int, dashboard_port: int | None, data_dir: Path, http_port: int | None = None
+        self,
+        redis_port: int,
+        dashboard_port: int | None,
+        data_dir: Path,
+        http_port: int | None = None,
+        *,
+        sentinel: bool = False,
     ) -> None:
         self.redis_url = f"redis://{LOOPBACK}:{redis_port}/0"
         self.redis_port = redis_port
+        self.sentinel_ports = (
+            [redis_port + SENTINEL_PORT_OFFSET + n for n in range(SENTINELS)] if sentinel else []
+        )
+        if sentinel:
+            hosts = ",".join(f"{LOOPBACK}:{port}" for port in self.sentinel_ports)
+            self.redis_url = f"redis+sentinel://{hosts}/{SENTINEL_MASTER}/0"
         self.dashboard_port = dashboard_port
         self.http_port = http_port
         self.data_dir = data_dir
@@ -222,6 +250,8 @@ class Stack:
         """Fork every child before any output thread starts (no threads at fork time), then watch."""
         (self.data_dir / "redis").mkdir(parents=True, exist_ok=True)
         redis = self._start("redis", self._redis_argv())
+        if self.sentinel_ports:
+            self._start_replica_and_sentinels()
         connection = connect(self.redis_url, socket_timeout=2)
         ready = self._wait(lambda: bool(self.signals) or redis.exited() or _pings(connection), REDIS_START_S)
         if self.signals:  # Ctrl-C while Redis was starting
@@ -258,16 +288,41 @@ class Stack:
             time.sleep(0.2)
         return 0
 
-    def _redis_argv(self) -> list[str]:
-        return [
+    def _redis_argv(self, port: int | None = None, data_dir: Path | None = None) -> list[str]:
+        argv = [
             shutil.which("redis-server") or "redis-server",
             "--bind", LOOPBACK,
             "--protected-mode", "yes",
-            "--port", str(self.redis_port),
-            "--dir", str(self.data_dir / "redis"),
+            "--port", str(port or self.redis_port),
+            "--dir", str(data_dir or self.data_dir / "redis"),
             "--appendonly", "yes",
             "--appendfsync", "everysec",
         ]  # fmt: skip
+        if self.sentinel_ports:
+            for line in SENTINEL_DATA_CONFIG:
+                name, value = line.split(" ", 1)
+                argv += [f"--{name}", value]
+        return argv
+
+    def _start_replica_and_sentinels(self) -> None:
+        """The primary's replica and three sentinels; the data servers get SENTINEL_DATA_CONFIG."""
+        replica_dir = self.data_dir / "redis-replica"
+        replica_dir.mkdir(parents=True, exist_ok=True)
+        argv = self._redis_argv(self.redis_port + 1, replica_dir)
+        self._start("replica", [*argv, "--replicaof", LOOPBACK, str(self.redis_port)])
+        sentinel_dir = self.data_dir / "sentinel"
+        sentinel_dir.mkdir(parents=True, exist_ok=True)
+        for index, port in enumerate(self.sentinel_ports):
+            config = sentinel_dir / f"sentinel-{port}.conf"  # Sentinel rewrites it: what it learned survives
+            if not config.exists():
+                config.write_text(
+                    f"port {port}\nbind {LOOPBACK}\nprotected-mode yes\ndir {sentinel_dir.resolve()}\n"
+                    f"sentinel monitor {SENTINEL_MASTER} {LOOPBACK} {self.redis_port} 2\n"
+                    f"sentinel down-after-milliseconds {SENTINEL_MASTER} 5000\n"
+                    f"sentinel failover-timeout {SENTINEL_MASTER} 60000\n"
+                )
+            binary = shutil.which("redis-server") or "redis-server"
+            self._start(f"sentinel{index + 1}", [binary, str(config), "--sentinel"])
 
     def _worker_argv(self) -> list[str]:
         store = f"disk:{self.data_dir / 'cache'}"
@@ -330,6 +385,9 @@ class Stack:
             ("http", STOP_GRACE_S),
             ("dashboard", STOP_GRACE_S),
             ("worker", drain + 60),
+            # Sentinels before the data servers: a primary that stops must not be failed over.
+            *((f"sentinel{n + 1}", STOP_GRACE_S) for n in range(len(self.sentinel_ports))),
+            ("replica", STOP_GRACE_S),
             ("redis", STOP_GRACE_S),
         )
         for name, timeout in order:
