@@ -106,6 +106,14 @@ def library() -> ctypes.CDLL | None:
     lib.decode_attention_quantized.argtypes = [ctypes.c_int, *[_POINTER] * 12, *[ctypes.c_int] * 6]
     lib.decode_attention_quantized.argtypes += [ctypes.c_float, _POINTER, ctypes.c_int]
     lib.decode_attention_quantized.restype = ctypes.c_int
+    lib.dequantize_heads.argtypes = [
+        *[_POINTER] * 3,
+        ctypes.c_int,
+        *[ctypes.c_int64] * 3,
+        *[ctypes.c_int] * 3,
+    ]
+    lib.dequantize_heads.argtypes += [_POINTER]
+    lib.dequantize_heads.restype = ctypes.c_int
     lib.softmax_rows.argtypes = [_POINTER, *[ctypes.c_int64] * 3, _POINTER, ctypes.c_int]
     lib.softmax_rows.restype = ctypes.c_int
     return lib
@@ -308,6 +316,19 @@ def fits_quantized(call: QuantizedCall) -> bool:
     )
 
 
+def dequantizable(call: QuantizedCall) -> bool:
+    """Whether the C loop can unpack `call`'s K/V into float32 (any query count: prefill chunks)."""
+    k_dim = call.queries.shape[-1]
+    v_dim = call.values[1].shape[-1] * call.group_size
+    return (
+        call.bits in (8, 4)
+        and call.queries.dtype == call.keys[1].dtype == call.values[1].dtype == mx.float32
+        and call.group_size % LANES == 0
+        and k_dim % call.group_size == 0
+        and v_dim % call.group_size == 0
+    )
+
+
 def attend_quantized_rows(lib: ctypes.CDLL, calls: list[QuantizedCall], scale: float) -> mx.array:
     """(rows, heads, 1, value_dim): every call's attention output, in order; the calls (all of one
     model: same heads, dims, bits and group size) must be evaluated."""
@@ -351,4 +372,33 @@ def attend_quantized_rows(lib: ctypes.CDLL, calls: list[QuantizedCall], scale: f
     )
     if status != 0:
         raise MemoryError("decode_attention_quantized could not get scratch memory")
+    return mx.array(out)
+
+
+def dequantize_parts(
+    lib: ctypes.CDLL, parts: tuple[mx.array, mx.array, mx.array], bits: int, group_size: int
+) -> mx.array:
+    """(1, heads, length, dim) float32 of one row's evaluated packed K or V (packed, scales, biases):
+    a prefill chunk's keys for the float32 attention path (MLX's own dequantize of 4 bits is slow here)."""
+    packed, scales, biases = (_lines_view(part) for part in parts)
+    _, heads, length, groups = scales.shape
+    dim = groups * group_size
+    if biases.strides != scales.strides or packed.shape[:3] != scales.shape[:3]:
+        raise ValueError("scales and biases must be laid out alike")
+    out = np.empty((1, heads, length, dim), dtype=np.float32)
+    status = lib.dequantize_heads(
+        packed.ctypes.data,
+        scales.ctypes.data,
+        biases.ctypes.data,
+        heads,
+        length,
+        packed.strides[1],
+        scales.strides[1] // 4,
+        dim,
+        bits,
+        group_size,
+        out.ctypes.data,
+    )
+    if status != 0:
+        raise ValueError(f"cannot dequantize {bits}-bit K/V in groups of {group_size} here")
     return mx.array(out)

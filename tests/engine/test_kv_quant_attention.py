@@ -45,18 +45,24 @@ def test_the_c_loop_equals_mlx_quantized_attention(bits: int, group_size: int) -
         assert float(mx.abs(a - b).max()) < 1e-5
 
 
-def test_rows_the_c_loop_cannot_take_go_to_mlx() -> None:
+def test_prefill_chunks_are_unpacked_and_attend_at_full_precision() -> None:
     if native_attention.library() is None:
         pytest.skip("no C compiler here")
+    lib = native_attention.library()
+    assert lib is not None
     decoding = _call(40, 8, 32)
-    chunk = replace(_call(40, 8, 32), queries=mx.random.normal((1, 6, 3, 64)), mask="causal")
+    chunk = replace(_call(300, 4, 32), queries=mx.random.normal((1, 6, 17, 64)), mask="causal")
     assert native_attention.fits_quantized(decoding) and not native_attention.fits_quantized(chunk)
+    assert native_attention.dequantizable(chunk)
+    mx.eval(chunk.keys)
+    unpacked = native_attention.dequantize_parts(lib, chunk.keys, 4, 32)
+    assert mx.array_equal(unpacked, mx.dequantize(*chunk.keys, group_size=32, bits=4))
     expected = quantized_attention(
         [replace(c, queries=c.queries + 0) for c in (decoding, chunk)], 0.125, None
     )
     with in_ragged_step(ON):
         got = attend_quantized([decoding, chunk], 0.125, None)
-    assert got is not None and got[1].shape == (1, 6, 3, 64)
+    assert got is not None and got[1].shape == (1, 6, 17, 64)
     for a, b in zip(expected, got, strict=True):
         assert float(mx.abs(a - b).max()) < 1e-5
 

@@ -123,3 +123,19 @@ int decode_attention_quantized(int rows, const float *const *q, const uint8_t *c
                          scale, out};
     return run_spans(work, sizeof(Work), threads, rows, lengths, kv_heads, run_units);
 }
+
+/* One row's packed K or V as float32, (heads, length, dim) contiguous in `out`: for the rows the
+ * loop above does not take (prefill chunks), whose attention then runs on the float32 path. */
+int dequantize_heads(const uint8_t *packed, const float *scales, const float *biases, int heads,
+                     int64_t length, int64_t packed_head_stride, int64_t group_head_stride, int dim,
+                     int bits, int group_size, float *out) {
+    if ((bits != 8 && bits != 4) || group_size % LANES || dim % group_size) return -1;
+    const int64_t line = dim * bits / 8, groups = dim / group_size;
+    for (int h = 0; h < heads; h++)
+        for (int64_t t = 0; t < length; t++)
+            unpack_line(packed + h * packed_head_stride + t * line,
+                        scales + h * group_head_stride + t * groups,
+                        biases + h * group_head_stride + t * groups, dim, bits, group_size,
+                        out + ((int64_t)h * length + t) * dim);
+    return 0;
+}
