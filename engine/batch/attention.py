@@ -49,7 +49,9 @@ class QuantizedCall:
 
 def quantized_attention(calls: list[QuantizedCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
     """Each call's attention output by quantized matmuls (mlx-lm's quantized attention): the K/V
-    are read packed, never dequantized into a buffer; the same on every device."""
+    are read packed, never dequantized into a buffer; the same on every device. (mlx-lm's function
+    scales the queries array it is given in place: each call's queries must be its own, as the ragged
+    step's per-row runs are.)"""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     if sinks is not None:
