@@ -1,6 +1,6 @@
 """Quantized KV in the pool (`kv_bits`): what it costs in quality and what it buys in capacity.
 
-Run: python benchmarks/bench_kv_quant.py [--only quality|capacity] [--quick] [--model ID]
+Run: python benchmarks/bench_kv_quant.py [--only quality|capacity|prefill] [--quick] [--model ID]
 (re-execs itself with OpenBLAS on Linux). Writes benchmarks/results/kv_quant.json and prints
 markdown tables.
 
@@ -18,6 +18,9 @@ capacity, the builtin model: 16 rows, each resuming a 2,048-token cache and deco
 q8 / q4 (group size 64) in one run, interleaved round by round: median decode step, tokens/s, the
 step ratio to none, a cold 1,024-token prompt's prefill alone (ratio to none), and how many 2K
 agents (2,048 + 256 tokens of room) a 2 GiB pool holds.
+
+prefill: a cold 1,025-token prompt alone, none / q8 / q4 interleaved over six rounds (every sample
+kept): its chunks unpack their row's K/V to float32 in C before attending (engine/cpu/quantized_attention.py).
 """
 
 from __future__ import annotations
@@ -182,6 +185,54 @@ def bench_quality(quick: bool, model_name: str | None = None) -> list[dict[str, 
 # ---- capacity --------------------------------------------------------------------------------
 
 
+def _prefill_time(engine: Any, prompt: list[int]) -> float:
+    """Seconds for a cold prompt alone to its first token (its chunks attend over the row's own K/V)."""
+    from engine.core.params import SamplingParams
+
+    start = time.perf_counter()
+    engine.submit(None, prompt, SamplingParams(max_tokens=1), keep_cache=False)
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def bench_prefill(quick: bool) -> list[dict[str, Any]]:
+    """Cold prefill alone, none / q8 / q4 interleaved over more rounds than the capacity run's three."""
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.models.load import load_model
+
+    model, tokenizer = load_model()
+    tokens = list(tokenizer.encode(TEXT.read_text() * 2))[:PREFILL]
+    engines = {
+        bits: BlockPoolBatchEngine(
+            model,
+            tokenizer,
+            model_name="bench",
+            pool_mb=512,
+            kv_bits=bits,
+            kv_group_size=64 if bits else None,
+        )
+        for bits in MODES
+    }
+    times: dict[int | None, list[float]] = {bits: [] for bits in MODES}
+    for round_ in range(3 if quick else 6):
+        for bits, engine in engines.items():
+            times[bits].append(_prefill_time(engine, [300 + round_, *tokens]))
+    base = statistics.median(times[None])
+    out = [
+        {
+            "kv": _label(bits),
+            "prompt": PREFILL + 1,
+            "prefill_s": times[bits],
+            "ratio": statistics.median(times[bits]) / base,
+        }
+        for bits in MODES
+    ]
+    for row in out:
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def bench_capacity(quick: bool) -> list[dict[str, Any]]:
     from engine.batch.engine import BlockPoolBatchEngine
     from engine.core.params import SamplingParams
@@ -218,14 +269,7 @@ def bench_capacity(quick: bool) -> list[dict[str, Any]]:
     prefills: dict[int | None, list[float]] = {bits: [] for bits in MODES}
     for round_ in range(rounds):
         for bits, engine in engines.items():
-            # a cold 1K prompt alone: prefill chunks attend with MLX's quantized matmul
-            start = time.perf_counter()
-            engine.submit(
-                None, [200 + round_, *tokens[:PREFILL]], SamplingParams(max_tokens=1), keep_cache=False
-            )
-            while engine.has_work():
-                engine.step()
-            prefills[bits].append(time.perf_counter() - start)
+            prefills[bits].append(_prefill_time(engine, [200 + round_, *tokens[:PREFILL]]))
             prompts = [cache.token_ids + [100 + row] for row in range(rows_n)]
             uids = [
                 engine.submit(f"r{row}", p, SamplingParams(max_tokens=steps + 4), cache=caches[bits])
@@ -270,7 +314,7 @@ def bench_capacity(quick: bool) -> list[dict[str, Any]]:
 def main() -> None:
     ensure_fast_blas()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("quality", "capacity"))
+    parser.add_argument("--only", choices=("quality", "capacity", "prefill"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", help="quality: this model (mlx-lm id or folder) instead of the builtin")
     args = parser.parse_args()
@@ -279,6 +323,8 @@ def main() -> None:
         results["quality"] = bench_quality(args.quick, args.model)
     if args.only in (None, "capacity"):
         results["capacity"] = bench_capacity(args.quick)
+    if args.only in (None, "prefill"):
+        results["prefill"] = bench_prefill(args.quick)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1))
 
