@@ -167,7 +167,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "namespace": manifest.namespace,
         "tokens_crc32": str(zlib.crc32(tokens.data)),
     }
-    tensors = [("token_ids", "I64", tokens)]
+    tensors: list[tuple[str, str, np.ndarray]] = [("token_ids", "I64", tokens)]
     if manifest.conversation is not None:
         conversation = np.frombuffer(manifest.conversation, dtype=np.uint8)
         metadata["conversation_crc32"] = str(zlib.crc32(manifest.conversation))
