@@ -5,8 +5,8 @@ rq-dashboard, the HTTP server `kvrq serve`) as its own child processes, prefixes
 their names, and on Ctrl-C or SIGTERM stops them in an order that loses nothing: the HTTP server
 and the dashboard, then the worker (which drains: its jobs finish or go back to their queue), then
 Redis (which writes its AOF). With `--sentinel` Redis is a primary, a replica and three sentinels
-(stopped first, so stopping the stack fails nothing over). Children run in their own sessions so Ctrl-C reaches only `kvrq up`, and on Linux they get SIGTERM if it
-dies without stopping them.
+(stopped first, so stopping the stack fails nothing over). Children run in their own sessions so
+Ctrl-C reaches only `kvrq up`, and on Linux they get SIGTERM if it dies without stopping them.
 """
 
 from __future__ import annotations
