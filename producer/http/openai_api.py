@@ -62,6 +62,8 @@ def parse(url: str, body: dict[str, Any], *, agent: str | None = None) -> Parsed
     if model is not None and not isinstance(model, str):
         raise invalid("'model' must be a string", param="model")
     memory = memory_fields(body)
+    if url == CHAT_URL:
+        body = narrowed_to_allowed_tools(body)
     try:
         fields = chat_request(body) if url == CHAT_URL else completion_request(body)
     except LineError as exc:
@@ -70,6 +72,35 @@ def parse(url: str, body: dict[str, Any], *, agent: str | None = None) -> Parsed
     if agent or key:
         fields["agent_id"] = client_agent(agent or key, "the agent (prompt_cache_key or X-Kvrq-Agent)")
     return Parsed(url, model, fields, bool(stream), include_usage)
+
+
+def narrowed_to_allowed_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}` as kvrq
+    takes it: the model is offered only the listed tools (the prompt holds just those), and `mode`
+    (auto or required) is the choice among them."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+        return body
+    allowed = choice.get("allowed_tools")
+    mode = allowed.get("mode") if isinstance(allowed, dict) else None
+    listed = allowed.get("tools") if isinstance(allowed, dict) else None
+    if mode not in ("auto", "required") or not isinstance(listed, list) or not listed:
+        raise invalid(
+            "tool_choice allowed_tools takes allowed_tools: {mode: auto or required, tools: [...]}",
+            param="tool_choice",
+        )
+    offered = {
+        tool["function"].get("name"): tool
+        for tool in body.get("tools") or ()
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+    }
+    names = []
+    for tool in listed:
+        name = tool.get("function", {}).get("name") if isinstance(tool, dict) else None
+        if name not in offered:
+            raise invalid(f"tool_choice allowed_tools names {name!r}, which is not among the tools offered")
+        names.append(name)
+    return {**body, "tools": [offered[name] for name in dict.fromkeys(names)], "tool_choice": mode}
 
 
 def response(parsed: Parsed, model: str, result: GenerationResult) -> dict[str, Any]:

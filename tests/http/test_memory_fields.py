@@ -44,3 +44,38 @@ def test_anthropic_routes_refuse_a_responses_agent_too() -> None:
     assert error.value.status == 400
     with pytest.raises(APIError):
         anthropic_api.parse(MESSAGES, agent="conversations:conv_1")
+
+
+ALLOWED = {
+    **CHAT,
+    "tools": [
+        {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+        for name in ("look", "book", "cancel")
+    ],
+}
+
+
+def test_allowed_tools_offers_only_the_listed_tools_with_its_mode() -> None:
+    choice = {
+        "type": "allowed_tools",
+        "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "book"}}]},
+    }
+    parsed = openai_api.parse(CHAT_URL, {**ALLOWED, "tool_choice": choice})
+    assert [tool["function"]["name"] for tool in parsed.fields["tools"]] == ["book"]
+    assert parsed.fields["tool_choice"] == "required"
+
+
+@pytest.mark.parametrize(
+    "allowed",
+    [
+        {"mode": "always", "tools": [{"type": "function", "function": {"name": "book"}}]},
+        {"mode": "auto", "tools": []},
+        {"mode": "auto", "tools": [{"type": "function", "function": {"name": "fly"}}]},
+    ],
+)
+def test_bad_allowed_tools_are_400(allowed: dict[str, Any]) -> None:
+    with pytest.raises(APIError) as error:
+        openai_api.parse(
+            CHAT_URL, {**ALLOWED, "tool_choice": {"type": "allowed_tools", "allowed_tools": allowed}}
+        )
+    assert error.value.status == 400 and "allowed_tools" in error.value.message
