@@ -48,6 +48,10 @@ DEFAULT_WAIT_TIMEOUT_MS = 2000
 #: Replies of a server that is not (or no longer) the writable primary; none of them ran the command.
 #: UNBLOCKED: a blocking read (BLMOVE, ...) on a primary that turned replica.
 _FAILOVER_REPLIES = ("READONLY", "NOREPLICAS", "UNBLOCKED")
+#: Socket timeouts of a Sentinel client unless the caller or the URL set them: during a failover a read
+#: was seen to wait for a reply that never came (no socket timeout by default in redis-py); with one it
+#: fails as a TimeoutError after this long, and callers retry it on the new primary.
+SENTINEL_SOCKET_DEFAULTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
 #: The key `wait_replicated` writes before its WAIT.
 REPLICATION_MARK_KEY = "kvrq:replication-mark"
 #: Query options read here; the rest go to redis-py like those of a plain URL.
@@ -124,7 +128,7 @@ def connect(url: str, **pool_options: Any) -> Redis:
     socket_timeout, command_packer, ...), where the URL's own options win. Nothing is sent until used."""
     if is_sentinel_url(url):
         target = parse_sentinel_url(url)
-        options = {**pool_options, **target.options}
+        options = {**SENTINEL_SOCKET_DEFAULTS, **pool_options, **target.options}
         sentinel_options = {k: v for k, v in options.items() if k.startswith(_SHARED_PREFIXES)}
         sentinel_options.update(target.sentinel_options)
         if target.tls:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -67,37 +67,73 @@ def request(index: int) -> dict[str, object]:
     return {"agent_id": f"agent-{index % 5}", "messages": messages, "max_tokens": 4}
 
 
-class EnqueueStream:
-    """Enqueues one job every ENQUEUE_EVERY_S from its own thread; records what was acknowledged."""
+class Repeat:
+    """Calls `action(index)` every `every` seconds from its own thread until the block ends; keeps when each
+    call started and ended and what it returned, or what it raised."""
 
-    def __init__(self, url: str, prefix: str) -> None:
-        self.producer = Producer(url)
-        self.prefix = prefix
-        self.acknowledged: list[str] = []
-        self.refused: list[str] = []
+    def __init__(self, action: Callable[[int], object], every: float) -> None:
+        self.action = action
+        self.every = every
+        self.done: list[tuple[float, float, object]] = []  # (started, ended, returned)
+        self.raised: list[str] = []
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         index = 0
         while not self.stopping.is_set():
-            job_id = f"{self.prefix}-{index}"
+            started = time.monotonic()
             try:
-                self.producer.submit(request(index), job_id=job_id)
-                self.acknowledged.append(job_id)
+                returned = self.action(index)
+                self.done.append((started, time.monotonic(), returned))
             except Exception as exc:  # an enqueue may raise: then it is not counted as acknowledged
-                self.refused.append(f"{job_id}: {exc!r}")
+                self.raised.append(f"{index}: {exc!r}")
             index += 1
-            self.stopping.wait(ENQUEUE_EVERY_S)
+            self.stopping.wait(self.every)
 
-    def __enter__(self) -> EnqueueStream:
+    def wait_for(self, calls: int, timeout: float, message: str) -> None:
+        """Until `calls` calls returned; else fail with what was raised and where the thread is."""
+        try:
+            wait_until(lambda: len(self.done) >= calls, timeout, "")
+        except AssertionError:
+            stacks = [traceback.format_stack(frame) for frame in sys._current_frames().values()]
+            where = "\n".join("".join(st[-20:]) for st in stacks if any("/producer/" in f for f in st))
+            raise AssertionError(f"{message}; raised: {self.raised[-5:]}; now at:\n{where}") from None
+
+    def results(self) -> list[object]:
+        return [result for _, _, result in self.done]
+
+    def __enter__(self) -> Repeat:
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stopping.set()
         self.thread.join(timeout=120)
-        self.producer.close()
+
+
+def enqueue_stream(producer: Producer, prefix: str) -> Repeat:
+    """Repeat that enqueues one job (id PREFIX-N) per call; returns the id once acknowledged."""
+
+    def enqueue(index: int) -> str:
+        producer.submit(request(index), job_id=f"{prefix}-{index}")
+        return f"{prefix}-{index}"
+
+    return Repeat(enqueue, ENQUEUE_EVERY_S)
+
+
+def http_stream(client: TestClient) -> Repeat:
+    """Repeat that asks kvrq serve for one chat completion per call; returns its status code."""
+
+    def ask(index: int) -> int:
+        answer = client.post(
+            "/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "messages": MESSAGES}
+        )
+        if answer.status_code == 200:
+            answer.json()["choices"][0]["message"]["content"]  # noqa: B018  (a completion, or it raises)
+        return answer.status_code
+
+    return Repeat(ask, 0.5)
 
 
 def finished_once(connection: Redis, job_ids: list[str]) -> dict[str, str]:
@@ -117,21 +153,22 @@ def finished_once(connection: Redis, job_ids: list[str]) -> dict[str, str]:
 
 def failover_round(topology: SentinelTopology, worker: WorkerProcess, round_no: int) -> None:
     before = topology.primary_port()
-    with EnqueueStream(topology.url, f"r{round_no}") as stream:
-        wait_until(lambda: len(stream.acknowledged) >= 4, 60, "no enqueue acknowledged before the failover")
+    http = TestClient(create_app(ServeSettings(redis_url=topology.url)))
+    with (
+        Producer(topology.url) as producer,
+        enqueue_stream(producer, f"r{round_no}") as stream,
+        http_stream(http) as asking,
+    ):
+        wait_until(lambda: len(stream.done) >= 4, 60, "no enqueue acknowledged before the failover")
+        failing_over = time.monotonic()
         new = topology.failover()
+        failed_over = time.monotonic()
         assert new != before
-        switched = len(stream.acknowledged) + len(stream.refused)
-        try:
-            wait_until(lambda: len(stream.acknowledged) >= switched + 4, 60, "")
-        except AssertionError:
-            where = "".join(traceback.format_stack(sys._current_frames()[stream.thread.ident or 0]))
-            raise AssertionError(
-                f"no enqueue acknowledged after the switch; raised: {stream.refused[-5:]}; "
-                f"enqueuing at:\n{where}"
-            ) from None
+        switched = len(stream.done)
+        stream.wait_for(switched + 4, 60, "no enqueue acknowledged after the switch")
+        asking.wait_for(2, 120, "kvrq serve did not answer twice")
     assert not worker.exited(), worker.log()[-4000:]
-    acknowledged = stream.acknowledged
+    acknowledged = [str(job_id) for job_id in stream.results()]
     after_switch = acknowledged[switched:]
     assert after_switch, "nothing was enqueued after the switch"
     primary = topology.data(new)
@@ -145,9 +182,13 @@ def failover_round(topology: SentinelTopology, worker: WorkerProcess, round_no: 
     wait_until(all_ended, RESULT_TIMEOUT_S, "acknowledged jobs did not all end", interval=0.5)
     assert finished_once(primary, acknowledged) == {}
     assert not worker.exited(), worker.log()[-4000:]
+    # kvrq serve rode it too: every request it got during the round was answered with a completion.
+    assert asking.raised == [] and set(asking.results()) == {200}, (asking.results(), asking.raised)
+    spanning = [1 for started, ended, _ in asking.done if started < failed_over and ended > failing_over]
+    assert spanning, "kvrq serve had no request in flight while the primary failed over"
     print(
         f"round {round_no}: {len(acknowledged)} acknowledged ({len(after_switch)} after the switch), "
-        f"{len(stream.refused)} raised: {stream.refused[:3]}"
+        f"{len(stream.raised)} raised: {stream.raised[:3]}; {len(asking.done)} HTTP requests answered"
     )
 
 
@@ -192,6 +233,7 @@ def test_a_failover_loses_no_acknowledged_enqueue_and_runs_each_job_once(
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(2400)  # 20 rounds of ~20-45 s each, past the suite's 600 s per test
 def test_twenty_failovers(topology: SentinelTopology, worker: WorkerProcess) -> None:
     for round_no in range(20):
         started = time.monotonic()
