@@ -424,7 +424,9 @@ class Producer:
     def _submit(self, validated: list[GenerationRequest], job_ids: Sequence[str] | None) -> list[JobHandle]:
         homes = self._homes(validated)
         if job_ids is None:
-            with self.connection.pipeline(transaction=False) as pipe:
+            # MULTI/EXEC: a job's hash is never on a server without its queue entry (wait_replicated
+            # checks the hash after a failover).
+            with self.connection.pipeline(transaction=True) as pipe:
                 jobs = [self._enqueue(request, None, pipe, homes) for request in validated]
                 pipe.execute()
             return [self.handle(job.id) for job in jobs]
