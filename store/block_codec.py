@@ -16,7 +16,6 @@ import numpy as np
 
 from engine.core.blocks import KVBlock, QuantParts
 from engine.core.spec import ModelCacheSpec
-from engine.kv.quantized import dequantize_block
 from store import layered_codec, quant
 from store.checksum import crc32
 from store.errors import BAD_BLOCK, CHECKSUM, TRUNCATED, BadCacheError
@@ -84,13 +83,13 @@ def encode_block(block: KVBlock, spec: ModelCacheSpec, quantization: str, group_
                 tensors.append((f"L{layer}.{kind}.scales", dtype, np.ascontiguousarray(stored_scales[layer])))
                 tensors.append((f"L{layer}.{kind}.biases", dtype, np.ascontiguousarray(stored_biases[layer])))
     elif quantization == "none":
-        block = dequantize_block(block, spec)
+        block = _full_precision(block, spec)
         for layer, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
             tensors.append((f"L{layer}.k", dtype, np.ascontiguousarray(k)))
             tensors.append((f"L{layer}.v", dtype, np.ascontiguousarray(v)))
     else:
         bits = quant.QUANT_BITS[quantization]
-        block = dequantize_block(block, spec)  # a block of a pool quantized otherwise: converted once
+        block = _full_precision(block, spec)  # a block of a pool quantized otherwise: converted once
         quantized = {
             kind: quant.quantize(np.stack(arrays), spec.dtype, bits, group_size)
             for kind, arrays in (("k", block.keys), ("v", block.values))
@@ -184,3 +183,13 @@ def _expected_tensors(
             expected[f"L{layer}.{kind}.scales"] = (dtype, (heads, n_tokens, dim // group_size))
             expected[f"L{layer}.{kind}.biases"] = (dtype, (heads, n_tokens, dim // group_size))
     return expected
+
+
+def _full_precision(block: KVBlock, spec: ModelCacheSpec) -> KVBlock:
+    """`block` at full precision. A quantized block comes only from a worker's quantized pool, and the
+    conversion runs on MLX: imported here, so reading a store (`kvrq cache`, `kvrq agent`) never loads it."""
+    if block.quant is None:
+        return block
+    from engine.kv.quantized import dequantize_block
+
+    return dequantize_block(block, spec)
