@@ -17,13 +17,14 @@ traces run at once (one thread each), greedy, `--max-tokens` a turn.
 
 Per request: the prompt's tokens, the tokens the server says it reused (kvrq: usage `cached_tokens`
 / `cache_read_input_tokens` / `input_tokens_details.cached_tokens`; mlx_lm.server: chat usage
-`cached_tokens`; vllm-mlx: none in its usage, so its own log line `[cache_fetch] ... cached=N` is
-read, matched by prompt length), what could be reused (the longest prefix this prompt shares with the
+`cached_tokens`; vllm-mlx: none in its usage, so its log's `[schedule] ... tokens_to_prefill=N` line
+is read, matched by prompt length; its Anthropic stream counts 0 input tokens, so there the prompt's
+length is this rendering's), what could be reused (the longest prefix this prompt shares with the
 previous turn's prompt + answer tokens, each rendered as that server renders it: kvrq's tool format,
 or the plain template that drops tools for the others; kvrq's answer tokens are the job's own), the
 share, and the time to the first output at the client (kvrq also gives its worker's first-token
 time: the client sees a tool call only once it is whole). Then, per side and API (chat and
-messages), an identical prompt sent twice (the last turn of trace 0 with a fresh first line, so
+messages), an identical prompt sent twice (trace 0's first request under a fresh first line, so
 nothing is cached before): the second time everything but the last token is the target, and the
 first is a cold prefill measured in this run, from which a reuse estimate by first-token time is
 derived for every turn (rough: the traces run concurrently, so it reads low).
@@ -192,9 +193,9 @@ def send_messages(server: Server, trace: Trace, max_tokens: int) -> Reply:
     total = time.perf_counter() - started
     calls = [Call(b["id"], b["name"], b["json"] or "{}") for _, b in sorted(blocks.items())]
     prompt, reused = None, None
-    if usage is not None:
+    if usage is not None:  # vllm-mlx streams input_tokens 0: no count at all
         read = getattr(usage, "cache_read_input_tokens", None)
-        prompt = (getattr(usage, "input_tokens", None) or 0) + (read or 0)
+        prompt = ((getattr(usage, "input_tokens", None) or 0) + (read or 0)) or None
         reused = read
     return Reply(
         "".join(parts), calls, first, total, prompt, reused, stream.response.headers.get("request-id")
@@ -342,23 +343,28 @@ def run_traces(
                 sent_at = time.time()
                 reply = SENDERS[api](server, trace, max_tokens)
                 job = server.job_view(reply.request_id) if server.job_view and reply.request_id else None
+                if reply.prompt_tokens is None:  # the server counts nothing: our rendering's count
+                    reply.prompt_tokens, counted = len(prompt), False
+                else:
+                    counted = True
                 exact = reply.prompt_tokens == len(prompt)
                 could = None
                 if previous is not None:  # not our rendering: assume the history extends prompt + answer
                     could = (
                         shared_prefix(previous, prompt)
                         if exact
-                        else min(previous_reported, reply.prompt_tokens or 0)
+                        else min(previous_reported, reply.prompt_tokens)
                     )
                 answer = renderer.answer(server.name, reply, job)
                 previous = prompt + answer
-                previous_reported = (reply.prompt_tokens or 0) + len(answer)
+                previous_reported = reply.prompt_tokens + len(answer)
                 row = {
                     "trace": index,
                     "turn": turn,
                     "prompt_tokens": reply.prompt_tokens,
                     "rendered_prompt_tokens": len(prompt),
-                    "rendering_matches": exact,
+                    "rendering_matches": exact and counted,
+                    "prompt_tokens_counted_by_server": counted,
                     "reused": reply.reused,
                     "could_reuse": could,
                     "first_s": _round(reply.first_s),
@@ -397,7 +403,7 @@ def identical_twice(server: Server, api: str, renderer: Renderer, max_tokens: in
         reply = SENDERS[api](server, fresh, max_tokens)
         sends.append(
             {
-                "prompt_tokens": reply.prompt_tokens,
+                "prompt_tokens": reply.prompt_tokens or len(rendered),
                 "reused": reply.reused,
                 "first_s": _round(reply.first_s),
                 "total_s": _round(reply.total_s),
