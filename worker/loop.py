@@ -480,8 +480,13 @@ class WorkerLoop:
         held.stored_messages = len(request.messages or ()) - len(held.request.messages or ())
         held.request, held.prompt_tokens, held.output = request, tokens, output
         held.sampling = stop_after_one_call(sampling, output, request)
+        cache = conversations.reusable_part(source, tokens)
+        if self.recent is not None:  # a new agent (a response's first turn) starts from a recent prefix
+            recent = self.recent.longest(tokens, self._tenant(held))
+            if recent is not None and (cache is None or recent.n_tokens > cache.n_tokens):
+                cache = recent
         held.cache = Future()
-        held.cache.set_result(conversations.reusable_part(source, tokens))
+        held.cache.set_result(cache)
         held.extending = False
         self.publisher.progress(held.job, prompt_tokens=len(tokens))
         return verdict.verdict == "now"

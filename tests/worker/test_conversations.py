@@ -243,3 +243,11 @@ def test_a_forgotten_conversation_never_comes_back_from_the_cache() -> None:
     contents = [m["content"] for m in h.producer.conversation("a") or () if m["role"] == "user"]
     assert contents == ["fresh start"]
     assert forget_conversation(h.redis, "nobody") is False
+
+
+def test_a_new_agents_first_continue_starts_from_a_recent_prefix() -> None:
+    h = Harness()
+    system = {"role": "system", "content": "a long shared system prompt with tools " * 4}
+    run(h, {"messages": [system, user("one-off")]})
+    first = run(h, {"agent_id": "new", "messages": [system, user("hello")], "continue": True}).result()
+    assert first.usage.reused_tokens > len(system["content"])  # the shared system prompt, not prefilled
