@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from engine.core.blocks import AgentCache
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
 from worker.ports import Engine
@@ -23,19 +24,51 @@ PROMPT_TOKENS = 300
 
 
 def warm_up(engine: Engine) -> float:
-    """Prefill, decode, cut to blocks, resume from the cut cache beside a fresh row: seconds spent."""
+    """Prefill, decode, cut to blocks, resume from the cut cache beside a fresh row: seconds spent.
+
+    Rows that do not fit the engine's budgets (a tiny pool) are left out; a warm-up that fails is
+    logged and skipped: it only saves time, the worker must start without it."""
     started = time.perf_counter()
-    vocab = max(2, engine.vocab_size or 256)
-    prompt = [(17 + 31 * i) % vocab for i in range(PROMPT_TOKENS)]
-    params = SamplingParams(max_tokens=4, stop_tokens=())
-    first = engine.submit(None, prompt, params, keep_cache=True)
-    cache = _run(engine, {first})[first].cache
-    resumed = engine.submit(None, [*prompt, *prompt[:24]], params, cache=cache, keep_cache=False)
-    fresh = engine.submit(None, prompt[:40], params, keep_cache=False)
-    _run(engine, {resumed, fresh})
+    try:
+        _warm(engine)
+    except Exception:
+        log.warning("engine warm-up failed; starting without it", exc_info=True)
     spent = time.perf_counter() - started
     log.info("engine warmed up in %.1f s", spent)
     return spent
+
+
+def _warm(engine: Engine) -> None:
+    vocab = max(2, engine.vocab_size or 256)
+    prompt = [(17 + 31 * i) % vocab for i in range(PROMPT_TOKENS)]
+    params = SamplingParams(max_tokens=4, stop_tokens=())
+    first = _submit(engine, prompt, params, keep_cache=True)
+    if first is None:
+        return
+    cache = _run(engine, {first})[first].cache
+    rows = {
+        uid
+        for uid in (
+            _submit(engine, [*prompt, *prompt[:24]], params, cache=cache),
+            _submit(engine, prompt[:40], params),
+        )
+        if uid is not None
+    }
+    _run(engine, rows)
+
+
+def _submit(
+    engine: Engine,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    cache: AgentCache | None = None,
+    keep_cache: bool = False,
+) -> int | None:
+    """The row's uid, or None where the engine's budgets (slots, blocks, context) leave no room now."""
+    if engine.admission(len(prompt), params.max_tokens).verdict != "now":
+        return None
+    return engine.submit(None, prompt, params, cache=cache, keep_cache=keep_cache)
 
 
 def _run(engine: Engine, uids: set[int], max_steps: int = 10_000) -> dict[int, Completion]:

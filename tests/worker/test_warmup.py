@@ -24,3 +24,19 @@ def test_warm_up_resumes_the_cache_it_cut() -> None:
     (first, _, reused_first), (second, _, reused_second), _fresh = engine.submitted
     assert reused_first == 0 and reused_second > 0  # the resume path ran
     assert not engine.has_work() and engine.pool.used_blocks == 0
+
+
+def test_a_pool_too_small_for_the_warm_up_rows_leaves_them_out() -> None:
+    engine = FakeEngine(pool_blocks=76)  # 300 + 4 tokens in blocks of 4: the resumed row (328) never fits
+    warm_up(engine)
+    assert [len(prompt) for _, prompt, _ in engine.submitted] == [300, 40]
+    assert engine.pool.used_blocks == 0
+
+
+def test_a_warm_up_that_fails_does_not_stop_the_worker() -> None:
+    class Broken(FakeEngine):
+        def step(self) -> object:
+            raise RuntimeError("no kernels today")
+
+    engine = Broken(pool_blocks=4096)
+    assert warm_up(engine) >= 0  # logged, not raised
