@@ -164,6 +164,9 @@ LONG_SYSTEM = {
 def test_jobs_without_an_agent_reuse_a_prefix_across_workers(client: Producer) -> None:
     first = ask(client, "qa", messages=[LONG_SYSTEM, user("Do you sell bells?")])
     assert first.usage.prompt_tokens > 512 and first.usage.reused_tokens == 0
+    held = (first.usage.prompt_tokens + first.usage.generated_tokens - 1) // 256
+    prefixes = "kvrq:cache:prefixes"  # written behind the result: wait until the store holds its blocks
+    wait_for(lambda: client.connection.zcard(prefixes) >= held, 60, "the prefix was never stored")
     history = [LONG_SYSTEM, user("Do you sell bells?"), answer(first), user("And lights?")]
     second = ask(client, "qb", messages=history)  # the other worker, no agent id: the shared prefix
     assert second.usage.reused_tokens >= first.usage.prompt_tokens // 256 * 256 > 0  # every full block
@@ -175,6 +178,8 @@ def test_jobs_without_an_agent_reuse_a_prefix_across_workers(client: Producer) -
 def test_a_tenant_gets_no_token_of_another_tenants_identical_prefix(client: Producer) -> None:
     chat = [LONG_SYSTEM, user("Which tyres fit a city bike?")]
     ask(client, "qa", messages=chat, namespace="tenant-a", agent_id="a-1")
+    lock = "kvrq:agent-lock:a-1"  # released once the agent's cache is durable in the store
+    wait_for(lambda: not client.connection.exists(lock), 60, "a-1's cache was never saved")
     other = ask(client, "qb", messages=chat, namespace="tenant-b")
     same = ask(client, "qb", messages=chat, namespace="tenant-a")
     assert other.usage.reused_tokens == 0
