@@ -200,7 +200,7 @@ def failover_round(topology: SentinelTopology, worker: WorkerProcess, round_no: 
 
 
 def test_every_entry_point_takes_the_sentinel_url(
-    topology: SentinelTopology, worker: WorkerProcess, tmp_path: Path
+    topology: SentinelTopology, worker: WorkerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Producer, kvrq serve, a batch run, kvrq status and the dashboard, against one real worker."""
     with Producer(topology.url) as producer:
@@ -227,6 +227,9 @@ def test_every_entry_point_takes_the_sentinel_url(
     assert commands.status(topology.url, None, out) == 0
     assert "kvrq-sentinel" in out.getvalue()
 
+    import rq.serializers  # make_app makes JSON rq's default serializer process-wide (its own process's)
+
+    monkeypatch.setattr(rq.serializers, "PickleSerializer", rq.serializers.PickleSerializer)
     dashboard = make_app(topology.url).test_client()
     rows = dashboard.get("/0/data/workers.json").get_json()["workers"]
     assert [row["name"] for row in rows] == ["kvrq-sentinel"]
