@@ -163,7 +163,9 @@ LONG_SYSTEM = {
 
 def test_jobs_without_an_agent_reuse_a_prefix_across_workers(client: Producer) -> None:
     first = ask(client, "qa", messages=[LONG_SYSTEM, user("Do you sell bells?")])
-    assert first.usage.prompt_tokens > 512 and first.usage.reused_tokens == 0
+    assert (
+        first.usage.prompt_tokens > 512 and first.usage.reused_tokens < 256
+    )  # the template's opening at most
     held = (first.usage.prompt_tokens + first.usage.generated_tokens - 1) // 256
     prefixes = "kvrq:cache:prefixes"  # written behind the result: wait until the store holds its blocks
     wait_for(lambda: client.connection.zcard(prefixes) >= held, 60, "the prefix was never stored")
