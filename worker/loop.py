@@ -592,12 +592,15 @@ class WorkerLoop:
 
     def _absorb(self, output: StepOutput) -> None:
         mono = time.monotonic()
+        repeating: list[HeldJob] = []
         for delta in output.deltas:
             held = self.scheduler.by_uid(delta.uid)
             if held is None:
                 continue
             held.generated += 1
             text = delta.text if held.output is None else self._split(held, held.output.feed(delta.text))
+            if held.output is not None and held.output.repeated_call:
+                repeating.append(held)  # only rows that wrote this step can have just repeated a call
             self.publisher.delta(held.id, text, delta.token)
             if delta.logprobs is not None:
                 entry = self.logprob_format(delta.token, delta.logprobs)
@@ -607,11 +610,11 @@ class WorkerLoop:
                 self.publisher.progress(held.job, generated_tokens=held.generated)
         self.counts["tokens"] += len(output.deltas)
         completions = list(output.completions)
-        for held in list(self.scheduler.running.values()):
-            if held.output is not None and held.output.repeated_call and held.uid is not None:
-                held.output.repeated_call = False  # asked once: its completion comes now or with a step
-                if (ended := self.engine.finish(held.uid)) is not None:
-                    completions.append(ended)
+        for held in repeating:
+            assert held.output is not None and held.uid is not None
+            held.output.repeated_call = False  # asked once: its completion comes now or with a step
+            if (ended := self.engine.finish(held.uid)) is not None:
+                completions.append(ended)
         for completion in completions:
             held = self.scheduler.by_uid(completion.uid)
             if held is not None:
