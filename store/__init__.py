@@ -1,4 +1,4 @@
-"""kvrq's KV cache store: agents' caches as safetensors on disk or in Redis, behind a hot tier.
+"""kvrq's KV cache store: agents' caches on disk or in Redis (one or sharded), behind a hot tier.
 
 Entry point: `open_store(uri, spec, ...)`. Format: docs/store-format.md.
 """
@@ -10,6 +10,7 @@ from store.errors import BadCacheError, StoreError
 from store.factory import open_backend, open_for_admin, open_store
 from store.hot import HotTierStore
 from store.redis_store import RedisStore
+from store.sharded import ShardedStore
 
 __all__ = [
     "BadCacheError",
@@ -19,6 +20,7 @@ __all__ = [
     "HotTierStore",
     "InvalidAgentIdError",
     "RedisStore",
+    "ShardedStore",
     "StoreError",
     "open_backend",
     "open_for_admin",

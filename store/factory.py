@@ -6,12 +6,14 @@ import re
 from pathlib import Path
 
 from engine.core.spec import ModelCacheSpec
-from store.backend import DEFAULT_NAMESPACE, BlockBackend
+from store.backend import DEFAULT_NAMESPACE, DEFAULT_PREFIX_BYTES, BlockBackend
 from store.disk import MARKER, DiskStore
 from store.errors import StoreError
 from store.hot import HotTierStore
 from store.quant import Quantization
 from store.redis_store import DEFAULT_PREFIX, Connect, RedisStore
+from store.shard_url import is_sharded_uri, parse_shards, redact
+from store.sharded import ShardedStore
 
 MiB = 1024 * 1024
 DEFAULT_HOT_TIER_BYTES = 512 * MiB
@@ -34,7 +36,29 @@ def open_backend(
     prefix_max_bytes: int | None = None,
 ) -> BlockBackend:
     """The backend named by `uri`, without a hot tier: `disk:PATH`, `redis`, `redis://...`,
-    `redis+sentinel://...`; `connect(url, **pool_options)` makes a Redis client (RedisStore)."""
+    `redis+sentinel://...`, `shards:URL|URL|...`; `connect(url, **pool_options)` makes a Redis client
+    (RedisStore). A sharded store splits `max_bytes` and `prefix_max_bytes` evenly over its shards."""
+    if is_sharded_uri(uri):
+        shards = parse_shards(uri)
+        count = len(shards)
+        if prefix_max_bytes is None and max_bytes is None:
+            prefix_max_bytes = DEFAULT_PREFIX_BYTES
+        parts = [
+            open_backend(
+                shard.url,
+                spec,
+                max_bytes=None if max_bytes is None else max(1, max_bytes // count),
+                quantization=quantization,
+                group_size=group_size,
+                ttl_s=ttl_s,
+                prefix=prefix,
+                namespace=namespace,
+                connect=connect,
+                prefix_max_bytes=None if prefix_max_bytes is None else prefix_max_bytes // count,
+            )
+            for shard in shards
+        ]
+        return ShardedStore(parts, [shard.name for shard in shards])
     if uri.startswith("disk:"):
         path = uri.removeprefix("disk:")
         if not path:
@@ -66,9 +90,10 @@ def open_backend(
             connect=connect,
             prefix_max_bytes=prefix_max_bytes,
         )
-    shown = re.sub(r"//.*@", "//***@", uri)  # a mistyped Redis URL may hold a password: never echo it
+    shown = re.sub(r"//.*@", "//***@", redact(uri))  # a mistyped Redis URL may hold a password: never echo it
     raise ValueError(
-        f"unknown store URI {shown!r}: use disk:PATH, redis, redis://HOST:PORT/DB or redis+sentinel://..."
+        f"unknown store URI {shown!r}: use disk:PATH, redis, redis://HOST:PORT/DB, redis+sentinel://... "
+        "or shards:URL|URL|..."
     )
 
 
