@@ -6,6 +6,7 @@ own OpenAI-compatible server, on the same weights, on this machine, in the same 
     python benchmarks/bench_agents.py --only server         # one side (no ratios then)
     python benchmarks/bench_agents.py --sides kvrq http     # kvrq's producer path against its HTTP door
     python benchmarks/bench_agents.py --anonymous           # without agent ids: --sides kvrq anon anon-blocks
+    python benchmarks/bench_agents.py --restart             # a restart: --sides restart restart-nowarmup
 
 Each agent has its own ~700-token briefing (the system message: a ship, its home port, crew and
 cargo, generated from a seed per agent, so every agent's prefix differs from its first tokens).
@@ -57,6 +58,12 @@ mlx_lm.server (streaming POST /v1/chat/completions with include_usage), each age
 `prompt_cache_key`. Against the kvrq side it shows what HTTP costs; against the server side it is
 the comparison an OpenAI client sees.
 
+restart (`--restart`): the kvrq side's workload on a warm worker, then the worker is stopped (SIGTERM,
+graceful) and a fresh `kvrq worker` process starts on the same disk store; once it has registered, every
+agent takes one more turn at once. Reported: that turn's first token p50 / p90 against the warm worker's
+later-turn p50 in the same run (target: p50 within 1.5x). restart-nowarmup: the same with the fresh
+worker's engine warm-up off (KVRQ_WARMUP=0), to show what the warm-up buys.
+
 Every run starts fresh processes on every side (empty caches); the order of the sides alternates
 between runs. Writes benchmarks/results/agents.json.
 """
@@ -89,7 +96,7 @@ sys.path.insert(0, str(ROOT))
 from engine.cpu.blas import blas_preload_env, ensure_fast_blas  # noqa: E402
 
 Message = dict[str, str]
-SIDES = ["kvrq", "server", "http", "anon", "anon-blocks"]
+SIDES = ["kvrq", "server", "http", "anon", "anon-blocks", "restart", "restart-nowarmup"]
 BLOCK_TOKENS = 256  # the store's block: the unit anonymous reuse is measured in
 
 SHIPS = ["Albatross", "Boreas", "Cormorant", "Dunlin", "Egret", "Fulmar", "Gannet", "Heron"]
@@ -165,15 +172,21 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
-def drive(ask: Ask, agents: int, turns: int) -> tuple[float, list[dict[str, Any]]]:
-    """All agents at once, one thread each, each agent's turns in order: (wall seconds, rows)."""
+def drive(
+    ask: Ask, agents: int, turns: int, chats: dict[int, list[Message]] | None = None
+) -> tuple[float, list[dict[str, Any]]]:
+    """All agents at once, one thread each, each agent's turns in order: (wall seconds, rows).
+
+    `chats` (the restart side): each agent's conversation so far, continued here and extended in place."""
     rows: list[dict[str, Any]] = []
     errors: list[BaseException] = []
+    chats = {} if chats is None else chats
 
     def agent_loop(agent: int) -> None:
-        chat: list[Message] = [{"role": "system", "content": briefing(agent)}]
+        chat = chats.setdefault(agent, [{"role": "system", "content": briefing(agent)}])
+        done = sum(m["role"] == "assistant" for m in chat)
         try:
-            for turn in range(turns):
+            for turn in range(done, done + turns):
                 chat.append({"role": "user", "content": question(agent, turn)})
                 answer = ask(agent, list(chat))
                 chat.append({"role": "assistant", "content": answer.text})
@@ -223,32 +236,105 @@ def run_kvrq(
     from producer.client import Producer
 
     with kvrq_worker(env) as (redis_url, _), Producer(redis_url) as producer:
-
-        def ask(agent: int, messages: list[Message]) -> Answer:
-            started = time.perf_counter()
-            job: dict[str, Any] = {"messages": messages, "max_tokens": args.max_tokens, "temperature": 0.0}
-            if not anonymous:
-                job["agent_id"] = f"agent-{agent}"
-            handle = producer.submit(job)
-            first, parts = None, []
-            for delta in handle.stream(timeout=1200):
-                if delta and first is None:
-                    first = time.perf_counter() - started
-                parts.append(delta)
-            total = time.perf_counter() - started
-            result = handle.result(timeout=60)
-            usage, timings = result.usage, result.timings
-            worker_view = {
-                "queued_s": timings.queued_s,
-                "cache_load_s": timings.cache_load_s,
-                "engine_ttft_s": timings.engine_time_to_first_token_s,
-                "ttft_s": timings.time_to_first_token_s,
-            }
-            return Answer("".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens, worker_view)
-
         warm_up = producer.submit({"prompt": "Hello", "max_tokens": 2})  # model pages, first step
         warm_up.result(timeout=300)
-        return drive(ask, args.agents, args.turns)
+        return drive(kvrq_asker(producer, args.max_tokens, anonymous=anonymous), args.agents, args.turns)
+
+
+def kvrq_asker(producer: Any, max_tokens: int, *, anonymous: bool = False) -> Ask:
+    """One streamed job per call through `producer` (a producer.client.Producer)."""
+
+    def ask(agent: int, messages: list[Message]) -> Answer:
+        started = time.perf_counter()
+        job: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        if not anonymous:
+            job["agent_id"] = f"agent-{agent}"
+        handle = producer.submit(job)
+        first, parts = None, []
+        for delta in handle.stream(timeout=1200):
+            if delta and first is None:
+                first = time.perf_counter() - started
+            parts.append(delta)
+        total = time.perf_counter() - started
+        result = handle.result(timeout=60)
+        usage, timings = result.usage, result.timings
+        worker_view = {
+            "queued_s": timings.queued_s,
+            "cache_load_s": timings.cache_load_s,
+            "engine_ttft_s": timings.engine_time_to_first_token_s,
+            "ttft_s": timings.time_to_first_token_s,
+        }
+        return Answer("".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens, worker_view)
+
+    return ask
+
+
+# ---- restart ----------------------------------------------------------------------------------
+
+
+def run_restart(args: argparse.Namespace, *, warmup: bool) -> tuple[float, list[dict[str, Any]]]:
+    """The kvrq side's workload on a warm worker, then a restart: SIGTERM (a graceful stop), a fresh
+    `kvrq worker` process on the same disk store (`KVRQ_WARMUP` on or off), and once it has registered
+    every agent takes one more turn at once. Rows of that turn carry `after_restart`; the wall time is
+    the warm part's."""
+    from producer.client import Producer
+    from tests.worker.procs import RedisProcess, WorkerProcess
+
+    env = {"KVRQ_HEARTBEAT_INTERVAL": "5", "KVRQ_WARMUP": "1" if warmup else "0"}
+    with tempfile.TemporaryDirectory(prefix="kvrq-agents-restart-") as tmp:
+        workdir = Path(tmp)
+        redis = RedisProcess(workdir)
+        redis.start()
+        before = WorkerProcess(redis.url, workdir, name="agents-before", env=env)
+        after = WorkerProcess(redis.url, workdir, name="agents-after", env=env)  # same store: workdir/cache
+        try:
+            with Producer(redis.url) as producer:
+                before.start()
+                producer.submit({"prompt": "Hello", "max_tokens": 2}).result(timeout=300)
+                ask = kvrq_asker(producer, args.max_tokens)
+                chats: dict[int, list[Message]] = {}
+                wall, rows = drive(ask, args.agents, args.turns, chats)
+                stopping = time.perf_counter()
+                code = before.terminate()
+                stopped = time.perf_counter()
+                after.start()
+                started = time.perf_counter()
+                print(
+                    f"  restart: stop {stopped - stopping:.1f} s (exit {code}), start to registered "
+                    f"{started - stopped:.1f} s",
+                    flush=True,
+                )
+                _, returning = drive(ask, args.agents, 1, chats)
+            rows += [{**row, "after_restart": True} for row in returning]
+            return wall, sorted(rows, key=lambda r: (r["agent"], r["turn"]))
+        finally:
+            before.stop()
+            after.stop()
+            redis.stop()
+
+
+def restart_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """First tokens of the turn after the restart against the warm worker's later turns (same run)."""
+    restarted = [r for r in rows if r.get("after_restart")]
+    if not restarted:
+        return None
+    warm = [r["ttft_s"] for r in rows if r["turn"] >= 2 and not r.get("after_restart") and r["ttft_s"]]
+    ttft = [r["ttft_s"] for r in restarted if r["ttft_s"] is not None]
+    warm_p50 = statistics.median(warm) if warm else None
+    p50, p90 = (statistics.median(ttft), percentile(ttft, 0.9)) if ttft else (None, None)
+    return {
+        "ttft_p50_s": p50,
+        "ttft_p90_s": p90,
+        "warm_later_ttft_p50_s": warm_p50,
+        "ratio_p50": round(p50 / warm_p50, 2) if p50 and warm_p50 else None,
+        "ratio_p90": round(p90 / warm_p50, 2) if p90 and warm_p50 else None,
+        "reused_share": sum(r["reused_tokens"] for r in restarted)
+        / max(1, sum(r["prompt_tokens"] for r in restarted)),
+        "worker_median_s": worker_medians(restarted),
+        "warm_worker_median_s": worker_medians(
+            [r for r in rows if r["turn"] >= 2 and not r.get("after_restart")]
+        ),
+    }
 
 
 # ---- mlx_lm.server ---------------------------------------------------------------------------
@@ -438,7 +524,7 @@ def side_summary(
     side: str, run: int, wall: float, rows: list[dict[str, Any]], load: list[Any]
 ) -> dict[str, Any]:
     first = [r["ttft_s"] for r in rows if r["turn"] == 1 and r["ttft_s"] is not None]
-    later_rows = [r for r in rows if r["turn"] >= 2]
+    later_rows = [r for r in rows if r["turn"] >= 2 and not r.get("after_restart")]
     later = [r["ttft_s"] for r in later_rows if r["ttft_s"] is not None]
     return {
         "side": side,
@@ -454,6 +540,7 @@ def side_summary(
         / max(1, sum(r["prompt_tokens"] for r in later_rows)),
         "later_worker_median_s": worker_medians(later_rows),
         "aligned_reuse_by_turn": aligned_reuse(rows),
+        "restart": restart_summary(rows),
         "load_average_before": load[0],
         "load_average_after": load[1],
         "rows": rows,
@@ -558,6 +645,28 @@ def print_table(report: dict[str, Any]) -> None:
                 print(f"| {run} | {pair} | {fmt(rat['wall'])} | {fmt(rat['ttft_later_median'])} |")
 
 
+def print_restarts(runs: list[dict[str, Any]]) -> None:
+    def split(medians: dict[str, float]) -> str:
+        return f"{fmt(medians.get('cache_load_s'), 3)} / {fmt(medians.get('engine_ttft_s'), 3)}"
+
+    restarted = [r for r in runs if r.get("restart")]
+    if not restarted:
+        return
+    print(
+        "\n| run | side | restart TTFT p50 / p90 s | warm later-turn TTFT p50 s | ratio p50 / p90 "
+        "| reused after restart | worker: cache load / engine TTFT p50 s (restart; warm) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in restarted:
+        x = r["restart"]
+        mine, warm = x["worker_median_s"] or {}, x["warm_worker_median_s"] or {}
+        print(
+            f"| {r['run']} | {r['side']} | {fmt(x['ttft_p50_s'])} / {fmt(x['ttft_p90_s'])} "
+            f"| {fmt(x['warm_later_ttft_p50_s'])} | {fmt(x['ratio_p50'])} / {fmt(x['ratio_p90'])} "
+            f"| {x['reused_share']:.0%} | {split(mine)}; {split(warm)} |"
+        )
+
+
 def main() -> int:
     ensure_fast_blas(sys.argv)
     parser = argparse.ArgumentParser(
@@ -575,6 +684,11 @@ def main() -> int:
         help="the workload without agent ids against the agent-id path: --sides kvrq anon anon-blocks",
     )
     parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="a worker restart on a warm store, with and without warm-up: --sides restart restart-nowarmup",
+    )
+    parser.add_argument(
         "--server-blas-threads",
         type=int,
         default=1,
@@ -583,6 +697,8 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agents.json"))
     args = parser.parse_args()
     default_sides = ["kvrq", "anon", "anon-blocks"] if args.anonymous else ["kvrq", "server"]
+    if args.restart:
+        default_sides = ["restart", "restart-nowarmup"]
     sides = [args.only] if args.only else args.sides or default_sides
 
     report: dict[str, Any] = {
@@ -615,6 +731,8 @@ def main() -> int:
                     "anon-blocks": lambda a: run_kvrq(a, anonymous=True, env={"KVRQ_RECENT_PREFIX_MB": "0"}),
                     "http": run_http,
                     "server": lambda a: run_server(a, folder),
+                    "restart": lambda a: run_restart(a, warmup=True),
+                    "restart-nowarmup": lambda a: run_restart(a, warmup=False),
                 }
                 wall, rows = runners[side](args)
                 runs.append(side_summary(side, run, wall, rows, [before, os.getloadavg()]))
@@ -651,6 +769,7 @@ def main() -> int:
         f"load average {report['load_average_before'][0]:.1f} -> {report['load_average_after'][0]:.1f}"
     )
     print_table(report)
+    print_restarts(report["runs"])
     if "same_turn1_answers" in report:
         print(
             f"\nturn-1 answers equal on both sides, per run: {report['same_turn1_answers']} of {args.agents}"
