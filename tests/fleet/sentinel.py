@@ -8,7 +8,7 @@ ones a failover would drop.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,18 @@ MASTER = "kvrq"
 class SentinelTopology:
     """Start, inspect and fail over a primary + replica watched by three sentinels."""
 
-    def __init__(self, workdir: Path, *, sentinels: int = 3) -> None:
+    def __init__(
+        self, workdir: Path, *, sentinels: int = 3, data_config: Sequence[str] = SENTINEL_DATA_CONFIG
+    ) -> None:
+        """`data_config`: extra redis.conf lines of both data servers (a cache store's shard may run
+        without `min-replicas-to-write`: a lost cache write is a counted miss, not lost data)."""
         self.binary = require_binary("redis-server", REDIS_SERVER_HINT)
         self.workdir = workdir
+        self.data_config = tuple(data_config)
         self.data_ports = [free_port(), free_port()]
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._by_port: dict[int, subprocess.Popen[bytes]] = {}  # the data servers' current processes
 
     @property
     def url(self) -> str:
@@ -91,7 +97,35 @@ class SentinelTopology:
         wait_until(demoted, timeout, f"old primary never demoted:\n{self._events()}")
         return new
 
-    def _ready_to_fail_over(self) -> bool:
+    def kill_primary(self, timeout: float = 30) -> tuple[int, int]:
+        """kill -9 the primary's redis-server; return (its port, the promoted replica's port) once the
+        sentinels announce the replica and it takes writes as primary."""
+        old = self.primary_port()
+        wait_until(
+            self._ready_to_fail_over_unchecked, timeout, f"no replica fit to promote:\n{self._events()}"
+        )
+        proc = self._by_port[old]
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_until(
+            lambda: self.primary_port() != old, timeout, f"no new primary announced:\n{self._events()}"
+        )
+        new = self.primary_port()
+        wait_until(lambda: self.role(new) == "master", timeout, f"{new} never became primary")
+        return old, new
+
+    def restart(self, port: int, timeout: float = 30) -> None:
+        """Start a killed data server again on its port; the sentinels make it the primary's replica."""
+        name = "primary" if port == self.data_ports[0] else "replica"
+        self._spawn(name, (self.workdir / f"{name}.conf").read_text())
+        linked = lambda: self.role(port) == "slave" and self._linked(port)  # noqa: E731
+        wait_until(linked, timeout, f"{port} did not rejoin as a replica:\n{self._events()}")
+
+    def _ready_to_fail_over_unchecked(self) -> bool:
+        """As _ready_to_fail_over, without asking the primary for min-replicas (it may not set it)."""
+        return self._ready_to_fail_over(check_min_replicas=False)
+
+    def _ready_to_fail_over(self, check_min_replicas: bool = True) -> bool:
         """Every sentinel agrees on the primary and lists a replica that is up and linked to it."""
         primary = self.primary_port()
         for index in range(len(self.sentinel_ports)):
@@ -106,6 +140,8 @@ class SentinelTopology:
             ]
             if not fit:
                 return False
+        if not check_min_replicas:
+            return True
         return int(self.data(primary).info("replication")["min_slaves_good_slaves"]) >= 1
 
     def _events(self) -> str:
@@ -140,7 +176,7 @@ class SentinelTopology:
             "appendonly no",
             f"dir {self.workdir}",
             f"dbfilename dump-{port}.rdb",
-            *SENTINEL_DATA_CONFIG,
+            *self.data_config,
         ]
         if replica_of is not None:
             lines.append(f"replicaof 127.0.0.1 {replica_of}")
@@ -161,6 +197,7 @@ class SentinelTopology:
         with open(self.workdir / f"{name}.log", "ab") as log:  # the child keeps its own copy
             self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
         port = int(config.split()[1])
+        self._by_port[port] = self.procs[-1]
         wait_until(lambda: _accepts(port), 10, f"{name} did not start on port {port}")
 
 
