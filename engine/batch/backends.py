@@ -1,9 +1,10 @@
 """The two generation loops the engine can drive, behind one small interface.
 
 - RaggedBackend (engine/batch/ragged.py): per-row KV buffers, chunked prefill between decode
-  steps; used for every architecture it is verified on whose layers are all full attention.
-- MlxBatchBackend: mlx-lm's own BatchGenerator, for the rest (sliding-window layers,
-  per-layer shapes, other architectures); models with SSM state use its subclass
+  steps; used for every architecture it is verified on (ragged.SUPPORTED_MODULES) whose layers
+  are all full or sliding-window attention, each of its own shape (`ragged_fits`).
+- MlxBatchBackend: mlx-lm's own BatchGenerator, the fallback for the rest (MLA, SSM state,
+  architectures not verified); models with SSM state use its subclass
   engine/batch/checkpoints.py, which checkpoints the state at block boundaries.
 
 Both take a prompt (with an optional saved cache prefix) and give back per-step tokens
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine.batch.ragged import RaggedBatchGenerator
+from engine.batch.ragged import RaggedBatchGenerator, route_attention
 from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.core.blocks import AgentCache
 from engine.core.params import LogitsProcessor
@@ -28,6 +29,18 @@ from engine.kv.buffers import round_up
 from engine.kv.convert import blocks_to_caches
 from engine.kv.quant import KVQuant
 from engine.kv.quantized import blocks_to_quantized_caches, empty_quantized_caches
+from engine.kv.window import WindowKVCache
+
+
+def ragged_fits(spec: ModelCacheSpec, model: Any) -> bool:
+    """Whether the ragged batch runs this model: a verified architecture (its attention routed)
+    whose layers are all KV layers (full or sliding-window; per-layer shapes are fine)."""
+    return all(layer.kind in ("full", "sliding") for layer in spec.layers) and route_attention(model)
+
+
+def one_head_count(spec: ModelCacheSpec) -> bool:
+    """Every KV layer has the model-wide head count: what the ShortSlots' shared buffers need."""
+    return all(layer.n_kv_heads == spec.n_kv_heads for layer in spec.kv_layers())
 
 
 @dataclass(frozen=True)
@@ -90,8 +103,15 @@ class RaggedBackend:
         """`kv_quant`: rows keep their K/V quantized (engine/kv/quantized.py); the arena and the
         ShortSlots, which hold full-precision buffers, are then not used."""
         self.generator = RaggedBatchGenerator(
-            model, prefill_tokens_per_step=prefill_tokens_per_step, short_slots=kv_quant is None
+            model,
+            prefill_tokens_per_step=prefill_tokens_per_step,
+            short_slots=kv_quant is None and one_head_count(spec),
         )
+        if kv_quant is not None and self.generator.latent:
+            raise ValueError(
+                f"kv_bits is not supported for {type(model).__module__}: its MLA attention over the "
+                "latent cache runs unquantized: leave kv_bits unset"
+            )
         self.spec = spec
         self.arena = arena
         self.kv_quant = kv_quant
@@ -115,6 +135,8 @@ class RaggedBackend:
                 layers = blocks_to_quantized_caches(cache, reused, self.kv_quant, capacity)
             else:
                 layers = empty_quantized_caches(self.spec, self.kv_quant, capacity)
+        elif not self.spec.all_full_attention:  # sliding layers or per-layer shapes: not the arena's
+            layers = self._layered_layers(cache, reused)
         elif cache is not None and reused > 0:
             layers = blocks_to_caches(cache, reused, capacity=capacity, arena=self.arena)
         else:
@@ -140,6 +162,17 @@ class RaggedBackend:
             layers.append(layer)
         return layers
 
+    def _layered_layers(self, cache: AgentCache | None, reused: int) -> list[Any]:
+        """A row's caches for a model with sliding-window layers or per-layer shapes: KVCaches for
+        full layers, WindowKVCaches for sliding ones; from the saved blocks (a sliding layer's
+        blocks hold its window's tokens) when resumed."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        if cache is not None and reused > 0:
+            rebuilt = blocks_to_caches(cache, reused)  # engine/kv/layered.py: RotatingKVCaches in order
+            return [WindowKVCache.from_rotating(c) if isinstance(c, RotatingKVCache) else c for c in rebuilt]
+        return [KVCache() if window is None else WindowKVCache(window) for window in self.generator.windows]
+
     def step(self) -> list[GeneratedToken]:
         return [GeneratedToken(t.uid, t.token, t.finish_reason, t.logprobs) for t in self.generator.step()]
 
@@ -154,8 +187,8 @@ class RaggedBackend:
         return None
 
     def release(self, kv: FinishedKV) -> None:
-        if self.kv_quant is not None:
-            return  # quantized buffers are not the arena's kind: MLX's allocator keeps them
+        if self.kv_quant is not None or not self.spec.all_full_attention:
+            return  # quantized, windowed or per-layer buffers are not the arena's: MLX's allocator keeps them
         buffers = [(layer.keys, layer.values) for layer in kv.layers]
         if all(
             k is not None and k.shape[2] == round_up(k.shape[2], self.spec.block_tokens) for k, _ in buffers

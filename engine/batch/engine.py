@@ -20,10 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.batch.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend
+from engine.batch.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend, ragged_fits
 from engine.batch.checkpoints import CheckpointingBatchBackend
 from engine.batch.grammar import GrammarCompiler
-from engine.batch.ragged import route_attention
 from engine.batch.sampling import make_processors, make_sampler
 from engine.batch.textstream import TextStream
 from engine.core.admission import Admission
@@ -132,9 +131,15 @@ class BlockPoolBatchEngine:
         self.vocab_size = int(getattr(args, "vocab_size", 0) or 0)
         self.eos_token_ids = frozenset(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ())
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
-        use_ragged = self.spec.all_full_attention and route_attention(model) if ragged is not False else False
+        use_ragged = ragged_fits(self.spec, model) if ragged is not False else False
         if ragged and not use_ragged:
             raise ValueError(f"{type(model).__module__} cannot run in the ragged batch")
+        if self.kv_quant is not None and use_ragged and not self.spec.all_full_attention:
+            raise ValueError(
+                f"kv_bits needs every layer to be full attention of one shape; {type(model).__module__} "
+                "has sliding-window layers or per-layer shapes, whose K/V the ragged batch keeps "
+                "unquantized: leave kv_bits unset"
+            )
         if self.kv_quant is not None and not use_ragged:
             raise ValueError(
                 f"kv_bits needs the ragged batch, which {type(model).__module__} does not run on "

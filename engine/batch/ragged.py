@@ -30,6 +30,7 @@ and each step is ONE forward pass over a flat batch of tokens:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -39,17 +40,41 @@ from typing import Any
 import mlx.core as mx
 
 from engine.batch import acceleration
-from engine.batch.attention import AttentionCall, QuantizedCall
+from engine.batch.attention import AttentionCall, QuantizedCall, fused_attention
 from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 from engine.core.params import LogitsProcessor
 from engine.core.results import TokenLogprobs
+from engine.kv.window import WindowKVCache
 
 # Model modules whose attention goes through base.scaled_dot_product_attention with
-# rope(offset=cache.offset) and cache.update_and_fetch, checked by tests on tiny models.
+# rope(offset=cache.offset) and cache.update_and_fetch, whose masks come from the cache's
+# make_mask, and whose logits are its body then its head (body_and_head): checked by tests on tiny models
+# (tests/engine/test_families.py). The rest run on mlx-lm's BatchGenerator (engine/batch/backends.py).
 SUPPORTED_MODULES = frozenset(
-    {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3", "mlx_lm.models.mixtral"}
+    {
+        "mlx_lm.models.llama",
+        "mlx_lm.models.qwen2",
+        "mlx_lm.models.qwen3",
+        "mlx_lm.models.mixtral",
+        # sliding-window layers (WindowKVCache per row; gpt_oss with attention sinks)
+        "mlx_lm.models.gemma3_text",
+        "mlx_lm.models.gpt_oss",
+        "mlx_lm.models.ministral3",
+        # per-layer head counts (no ShortSlots: they hold one head count for all layers)
+        "mlx_lm.models.openelm",
+        # MLA expanded to heads (K and V dims differ): plain attention to the ragged step
+        "mlx_lm.models.deepseek_v2",
+        # MLA over the latent cache (LATENT_MODULES), no ShortSlots
+        "mlx_lm.models.deepseek_v3",
+    }
 )
+
+# Modules whose attention caches MLA's latent and rope key (keys: (1, 1, n, kv_lora_rank), values:
+# (1, 1, n, rope_dim)) and scores the rope part itself: it computes (q_pe * scale) @ k_pe^T and hands
+# that to attention as its additive mask. FlatLayerCache gives such a layer an identity for k_pe, so
+# the "mask" it gets back is each token's scaled q_pe, and scores each row against its own k_pe.
+LATENT_MODULES = frozenset({"mlx_lm.models.deepseek_v3"})
 
 
 class FlatLayerCache:
@@ -58,7 +83,9 @@ class FlatLayerCache:
     `offset` gives every token its own rope position. The first `slot_step.size` tokens
     belong to the short rows in the ShortSlots (written by one scatter, attended in one
     masked call); every other run's K/V go into its row's own KVCache and it attends
-    alone over its own length (causal within a run of several tokens).
+    alone over its own length (causal within a run of several tokens). A sliding-window layer's
+    rows are WindowKVCaches, which fetch only their window and give the run's mask; the slotted
+    rows then attend under `slot_mask` (each row's window of the slots) when the slots are wider.
     """
 
     def __init__(
@@ -70,6 +97,8 @@ class FlatLayerCache:
         slot_step: SlotStep | None,
         layer: int,
         padding: int = 0,
+        slot_mask: mx.array | None = None,
+        latent: bool = False,
     ) -> None:
         self.rows = rows
         self.run_lengths = run_lengths
@@ -79,6 +108,8 @@ class FlatLayerCache:
         self.layer = layer
         self.skip = slot_step.size if slot_step is not None else 0
         self.padding = padding  # trailing rows of the flat batch that belong to nobody
+        self.slot_mask = slot_mask
+        self.latent = latent  # MLA over a latent cache (LATENT_MODULES): see latent_attention
         bounds, total = [], 0
         for n in run_lengths[:-1]:
             total += n
@@ -105,29 +136,42 @@ class FlatLayerCache:
             row.update_and_fetch(k, v)
             for row, k, v in zip(self.rows, self._runs(keys), self._runs(values), strict=True)
         ]
+        if self.latent:  # the model's (q_pe * scale) @ k_pe^T becomes q_pe * scale: see LATENT_MODULES
+            return keys, identity(int(values.shape[-1]), values.dtype)
         return keys, values  # placeholders: attention reads the slots and self._fetched
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None  # attention is per row (FlatLayerCache.attend)
 
-    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+    def attend(
+        self, queries: mx.array, scale: float, sinks: mx.array | None, mask: mx.array | None = None
+    ) -> mx.array:
+        """Every run's attention output as the flat batch's (tokens, heads, 1, dim); `mask` is
+        the model's only for a latent layer (its tokens' scaled q_pe), else None (make_mask)."""
+        if self.latent:
+            if mask is None or self.slot_step is not None:
+                raise RuntimeError("a latent layer needs its q_pe and rows of its own (no ShortSlots)")
+            return self._latent_attend(queries, mask, scale)
         calls = []
         quantized: list[QuantizedCall] = []  # rows of a pool with kv_bits: their caches hand back packed K/V
         if self.slot_step is not None:
-            calls.append(self.slots.attention_call(self.layer, self.slot_step, queries[: self.skip]))
+            call = self.slots.attention_call(self.layer, self.slot_step, queries[: self.skip])
+            if self.slot_mask is not None:
+                call = dataclasses.replace(call, mask=self.slot_mask, prefix_lengths=None)
+            calls.append(call)
         runs = zip(self.rows, self._runs(queries), self._fetched, self.run_lengths, strict=True)
         for row, q, (k, v), n in runs:
-            mask = None if n == 1 else "causal"
+            run_mask = row.mask() if isinstance(row, WindowKVCache) else None if n == 1 else "causal"
             if isinstance(k, tuple):
-                quantized.append(QuantizedCall(q, k, v, row.bits, row.group_size, mask))
+                quantized.append(QuantizedCall(q, k, v, row.bits, row.group_size, run_mask))
             else:
-                calls.append(AttentionCall(q, k, v, mask=mask))
+                calls.append(AttentionCall(q, k, v, mask=run_mask))
         if calls and quantized:
             raise RuntimeError("a step mixes quantized and full-precision rows")
         if quantized:
             outputs = acceleration.attend_quantized(quantized, scale, sinks)
         else:
-            outputs = acceleration.attend(calls, scale, sinks)
+            outputs = attend_with_windows(calls, scale, sinks)
         first_run = 0 if self.slot_step is None else 1
         for i, n in enumerate(self.run_lengths, start=first_run):
             if n > 1:  # (1, heads, n, dim) -> the flat batch's (n, heads, 1, dim)
@@ -136,6 +180,50 @@ class FlatLayerCache:
         if self.padding:  # padding rows attend to nothing: zeros, never read by anybody
             outputs.append(padding_output((self.padding, *outputs[0].shape[1:]), outputs[0].dtype))
         return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+    def _latent_attend(self, queries: mx.array, scaled_q_pe: mx.array, scale: float) -> mx.array:
+        """MLA per row, as mlx-lm's deepseek_v3 runs a one-token step: the absorbed queries attend
+        over the row's latent (keys = values), with the rope part's scores (each run's scaled q_pe
+        against the row's own k_pe, causal within a run) added as the mask."""
+        outputs = []
+        runs = zip(self._runs(queries), self._runs(scaled_q_pe), self._fetched, self.run_lengths, strict=True)
+        for q, q_pe, (latent, k_pe), n in runs:
+            pe_scores = q_pe @ k_pe.swapaxes(-1, -2)
+            if n > 1:
+                held = int(latent.shape[2])
+                causal = mx.arange(held - n, held)[:, None] >= mx.arange(held)[None]
+                pe_scores = mx.where(
+                    causal, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype)
+                )
+            out = mx.fast.scaled_dot_product_attention(q, latent, latent, scale=scale, mask=pe_scores)
+            outputs.append(out if n == 1 else out.swapaxes(0, 2))
+        self._fetched = []
+        if self.padding:
+            outputs.append(padding_output((self.padding, *outputs[0].shape[1:]), outputs[0].dtype))
+        return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+
+def attend_with_windows(calls: list[AttentionCall], scale: float, sinks: mx.array | None) -> list[mx.array]:
+    """acceleration.attend, except for runs whose window cuts their keys (a (queries, keys) mask
+    array: a prompt chunk of a sliding layer past its window), which go to MLX's fused call: the
+    CPU path lays the query heads of a KV head out in one axis, which such a mask does not fit."""
+    windowed = [i for i, c in enumerate(calls) if isinstance(c.mask, mx.array) and c.mask.ndim == 2]
+    if not windowed:
+        return acceleration.attend(calls, scale, sinks)
+    rest = [i for i in range(len(calls)) if i not in set(windowed)]
+    outputs: list[mx.array] = [mx.array(0)] * len(calls)
+    for i, out in zip(windowed, fused_attention([calls[i] for i in windowed], scale, sinks), strict=True):
+        outputs[i] = out
+    if rest:
+        for i, out in zip(rest, acceleration.attend([calls[i] for i in rest], scale, sinks), strict=True):
+            outputs[i] = out
+    return outputs
+
+
+@functools.lru_cache(maxsize=8)
+def identity(size: int, dtype: mx.Dtype) -> mx.array:
+    """(1, 1, size, size): what a latent layer hands the model for k_pe (see LATENT_MODULES)."""
+    return mx.eye(size, dtype=dtype)[None, None]
 
 
 @functools.lru_cache(maxsize=16)
@@ -170,13 +258,57 @@ def route_attention(model: Any) -> bool:
         sinks: mx.array | None = None,
     ) -> mx.array:
         if isinstance(cache, FlatLayerCache):
-            return cache.attend(queries, scale, sinks)
+            return cache.attend(queries, scale, sinks, mask if cache.latent else None)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention._kvrq_routed = True  # type: ignore[attr-defined]
     module.scaled_dot_product_attention = scaled_dot_product_attention
     acceleration.route_swiglu(module)
     return True
+
+
+def body_and_head(model: Any) -> tuple[Any, Any]:
+    """The model's layers up to the final norm (`model.model`; OpenELM's `model.transformer`) and
+    its vocabulary projection: its lm_head, or the embeddings where it has none (tied: mlx-lm
+    leaves lm_head out). Every SUPPORTED_MODULES model's logits are exactly head(body(...))."""
+    body = getattr(model, "model", None)
+    if body is None:
+        body = model.transformer
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        embeddings = getattr(body, "embed_tokens", None)
+        head = (body.token_embeddings if embeddings is None else embeddings).as_linear
+    return body, head
+
+
+def layer_windows(model: Any) -> list[int | None]:
+    """Each layer's sliding window (a RotatingKVCache's size in the model's own cache list), or None."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    return [
+        int(cache.max_size) if isinstance(cache, RotatingKVCache) else None
+        for cache in make_prompt_cache(model)
+    ]
+
+
+def holds_all(row: Any) -> bool:
+    """Whether every layer of the row holds its tokens from position 0: what the ShortSlots copy in
+    (a sliding layer's WindowKVCache may have dropped the tokens before its window)."""
+    return all(getattr(layer, "first", 0) == 0 for layer in row.layers)
+
+
+def slot_window_masks(step: SlotStep | None, windows: list[int | None]) -> dict[int | None, mx.array]:
+    """For each window narrower than the slots' width this step: each slotted row's last `window`
+    positions, as a (size, 1, 1, width) mask (its tokens end at its length)."""
+    if step is None:
+        return {}
+    out: dict[int | None, mx.array] = {}
+    lengths = mx.array(step.lengths)[:, None]
+    positions = mx.arange(step.width)[None, :]
+    for window in {w for w in windows if w is not None and w < step.width}:
+        mask = (positions < lengths) & (positions >= lengths - window)
+        out[window] = mask[:, None, None, :]
+    return out
 
 
 @dataclass
@@ -242,16 +374,18 @@ class RaggedBatchGenerator:
         self.model = model
         # The vocabulary projection runs on the rows that sample only: a step finishing a
         # 256-token prompt chunk would otherwise project all 256 (~14 GFLOP for SmolLM2's
-        # 49K vocabulary, ~0.1 s here) to keep one. Every SUPPORTED_MODULES model is
-        # `model.model` then this head (tests/engine/test_families.py runs each).
-        self._head = model.model.embed_tokens.as_linear if model.args.tie_word_embeddings else model.lm_head
+        # 49K vocabulary, ~0.1 s here) to keep one.
+        self._body, self._head = body_and_head(model)
+        # Per layer, the sliding window of its attention (None: full), as the model's own caches say.
+        self.windows = layer_windows(model)
+        self.latent = type(model).__module__ in LATENT_MODULES
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.rows: dict[int, Row] = {}
         self.prompt_tokens_run = 0  # prompt tokens fed, less each prompt's last (as mlx-lm counts)
         self.steps = 0
         self.last_step = StepStats()
         self.slots = ShortSlots()
-        self.short_slots = short_slots
+        self.short_slots = short_slots and not self.latent  # the slots attend plainly: not MLA
         self._held_back_last_step = False
         self._next_uid = 0
 
@@ -384,7 +518,12 @@ class RaggedBatchGenerator:
             if row.finished or row.length + 1 > SHORT_ROW_TOKENS:
                 self.slots.leave(row)
         for row in live if self.short_slots else ():
-            if row.decoding and row.length + 1 <= SHORT_ROW_TOKENS and row not in self.slots:
+            if (
+                row.decoding
+                and row.length + 1 <= SHORT_ROW_TOKENS
+                and row not in self.slots
+                and holds_all(row)
+            ):
                 self.slots.enter(row)
 
     def _forward(self, runs: list[tuple[Row, int]]) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
@@ -405,14 +544,23 @@ class RaggedBatchGenerator:
         own = runs[slot_step.size :] if slot_step is not None else runs
         lengths = [n for _, n in own]
         position_array = mx.array(positions)
+        slot_masks = slot_window_masks(slot_step, self.windows)
         caches = [
             FlatLayerCache(
-                [row.layers[i] for row, _ in own], lengths, position_array, self.slots, slot_step, i, padding
+                [row.layers[i] for row, _ in own],
+                lengths,
+                position_array,
+                self.slots,
+                slot_step,
+                i,
+                padding,
+                slot_masks.get(self.windows[i]),
+                self.latent,
             )
             for i in range(n_layers)
         ]
         with acceleration.in_step(shortcuts):
-            hidden = self.model.model(mx.array(tokens)[:, None], caches)[:, -1, :]
+            hidden = self._body(mx.array(tokens)[:, None], caches)[:, -1, :]
         ends, last = [], -1
         for _, n in runs:
             last += n

@@ -30,6 +30,7 @@ from engine.core.errors import CacheMismatchError
 from engine.core.spec import KVLayer, LayerSpec, ModelCacheSpec
 from engine.kv.buffers import host_view, mlx_dtype
 from engine.kv.fast_copy import copy_array
+from engine.kv.window import WindowKVCache
 
 Checkpoint = tuple[tuple[np.ndarray, ...], ...]  # per state layer, its arrays (host, storage dtype)
 
@@ -133,9 +134,12 @@ def _kept_from(layer: KVLayer, first: int, n_tokens: int) -> int:
 
 
 def _ordered_kv(cache: Any) -> tuple[mx.array, mx.array, int]:
-    """(keys, values, position of their first token) of a KVCache or RotatingKVCache, in token order."""
+    """(keys, values, position of their first token) of a KVCache, RotatingKVCache or WindowKVCache,
+    in token order."""
     from mlx_lm.models.cache import RotatingKVCache
 
+    if isinstance(cache, WindowKVCache):  # a ragged row's sliding layer
+        return cache.ordered()
     keys, values, offset = cache.keys, cache.values, int(cache.offset)
     if keys is None:
         raise RuntimeError("an empty KV cache for a sequence that has tokens")

@@ -40,6 +40,21 @@ FAMILIES = [
     "mamba2",
 ]
 
+# The families the ragged batch runs (engine/batch/ragged.py SUPPORTED_MODULES; mistral runs as
+# llama); every other one falls back to mlx-lm's BatchGenerator.
+RAGGED = {
+    "llama",
+    "mistral",
+    "qwen3",
+    "mixtral",
+    "gemma3_text",
+    "ministral3",
+    "gpt_oss",
+    "openelm",
+    "deepseek_v2",
+    "deepseek_v3",
+}
+
 EOS = 0
 TEXT = (
     "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. "
@@ -89,6 +104,13 @@ def engine(family: tuple[str, Any]) -> Iterator[BlockPoolBatchEngine]:
     )
     yield eng
     eng.close()
+
+
+def test_the_verified_families_run_on_the_ragged_batch(
+    family: tuple[str, Any], engine: BlockPoolBatchEngine
+) -> None:
+    arch, _model = family
+    assert engine.ragged == (arch in RAGGED)
 
 
 def test_batched_greedy_equals_mlx_lm_generate(family: tuple[str, Any], engine: BlockPoolBatchEngine) -> None:

@@ -199,7 +199,7 @@ def test_invalid_bits_or_group_size_is_a_clear_error(
 
 
 def test_a_model_off_the_ragged_batch_refuses_kv_bits() -> None:
-    model = tiny_model("gemma3_text", **QUANTIZABLE["gemma3_text"])
+    model = tiny_model("qwen3_next", **QUANTIZABLE["qwen3_next"])  # SSM state: on BatchGenerator
     with pytest.raises(ValueError, match="kv_bits needs the ragged batch"):
         BlockPoolBatchEngine(
             model, ByteTokenizer(), model_name="tiny", pool_blocks=4, kv_bits=8, kv_group_size=32

@@ -178,13 +178,13 @@ def test_finished_rows_give_their_buffers_back_for_the_next_one(engine: BlockPoo
 
 
 def test_unsupported_architectures_use_mlx_lms_batch_generator() -> None:
-    gemma = tiny_model("gemma3_text")
-    eng = BlockPoolBatchEngine(gemma, ByteTokenizer(), model_name="tiny-gemma3", pool_blocks=8)
+    mamba = tiny_model("mamba")  # SSM state: not (yet) on the ragged batch
+    eng = BlockPoolBatchEngine(mamba, ByteTokenizer(), model_name="tiny-mamba", pool_blocks=8)
     assert not eng.ragged
     uid = eng.submit("a", prompt(20), SamplingParams(max_tokens=4, stop_tokens=()))
     assert len(run_all(eng)[uid].token_ids) == 4
     with pytest.raises(ValueError, match="cannot run in the ragged batch"):
-        BlockPoolBatchEngine(gemma, ByteTokenizer(), model_name="tiny-gemma3", pool_blocks=8, ragged=True)
+        BlockPoolBatchEngine(mamba, ByteTokenizer(), model_name="tiny-mamba", pool_blocks=8, ragged=True)
 
 
 def test_forcing_the_batch_generator_gives_the_same_greedy_tokens(model: object) -> None:

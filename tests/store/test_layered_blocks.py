@@ -40,7 +40,7 @@ def held_tokens(cache: AgentCache, layer: int) -> int:
 
 
 def test_a_block_the_window_left_is_written_again_without_it(tmp_path: Path) -> None:
-    engine, first, second = two_turns("gemma3_text", 760, 300)  # window 32
+    engine, first, second = two_turns("gemma3_text", 761, 300)  # window 32; the ragged batch keeps 761 + 7
     assert first.n_tokens == 768  # the window [736, 768) lies in full block 2
     assert first.blocks[2].layout() != ""
     store = DiskStore(tmp_path, engine.spec)
