@@ -181,11 +181,21 @@ class WorkerLoop:
         )
 
     def start(self) -> None:
-        self.worker.register_birth()
-        self.connection.hset(self.worker.key, mapping=self.worker_fields())  # type: ignore[arg-type]
-        self.beacon.start()
-        self.worker.subscribe()
-        self.worker.set_state("idle")
+        """Register with rq and listen. Redis unavailable meanwhile (a failover's NOREPLICAS window, an
+        outage) is waited out with backoff as in run(), each step done once: a worker started or
+        restarted mid-failover must not exit. A stop requested meanwhile leaves the rest to run()."""
+        done: set[str] = set()
+        while not self.draining:
+            try:
+                self._register(done)
+                break
+            except REDIS_DOWN as exc:
+                delay = self.backoff.next(exc)
+                log.warning(
+                    "Redis unavailable at start (%s): retry %d in %.1f s", exc, self.backoff.failures, delay
+                )
+                time.sleep(delay)
+        self.backoff.reset()
         log.info(
             "worker %s listening on %s (max_batch %d, pool %d blocks)",
             self.worker.name,
@@ -193,6 +203,24 @@ class WorkerLoop:
             self.settings.max_batch,
             self.engine.pool.total_blocks,
         )
+
+    def _register(self, done: set[str]) -> None:
+        if "birth" not in done:
+            retry = "birth tried" in done  # whether that try's MULTI ran is unknown: look first
+            done.add("birth tried")
+            if retry:
+                rqexec.register_again(self.worker)
+            else:
+                self.worker.register_birth()
+            done.add("birth")
+        self.connection.hset(self.worker.key, mapping=self.worker_fields())  # type: ignore[arg-type]
+        if "beacon" not in done:
+            self.beacon.start()  # its first beat here; the thread's beats ride outages on their own
+            done.add("beacon")
+        if "subscribe" not in done:
+            self.worker.subscribe()
+            done.add("subscribe")
+        self.worker.set_state("idle")
 
     def run(self) -> int:
         """Run until stopped and drained. Redis outages are waited out with backoff."""
@@ -216,7 +244,7 @@ class WorkerLoop:
                     # stops Redis first; waiting for it kept the worker up until SIGKILL.
                     log.warning("Redis unreachable while stopping with nothing held (%s): stopping", exc)
                     break
-                delay = self.backoff.next()
+                delay = self.backoff.next(exc)
                 self.next_crash_check = time.monotonic() + delay + self.settings.liveness_ttl  # peers re-beat
                 log.warning("Redis unreachable (%s): retry %d in %.1f s", exc, self.backoff.failures, delay)
                 time.sleep(delay)
