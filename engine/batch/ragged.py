@@ -57,6 +57,8 @@ SUPPORTED_MODULES = frozenset(
         "mlx_lm.models.qwen2",
         "mlx_lm.models.qwen3",
         "mlx_lm.models.mixtral",
+        "mlx_lm.models.qwen3_moe",
+        "mlx_lm.models.phi3",
         # sliding-window layers (WindowKVCache per row; gpt_oss with attention sinks)
         "mlx_lm.models.gemma3_text",
         "mlx_lm.models.gpt_oss",

@@ -47,6 +47,8 @@ RAGGED = {
     "mistral",
     "qwen3",
     "mixtral",
+    "qwen3_moe",
+    "phi3",
     "gemma3_text",
     "ministral3",
     "gpt_oss",
