@@ -100,6 +100,11 @@ class SentinelTopology:
     def kill_primary(self, timeout: float = 30) -> tuple[int, int]:
         """kill -9 the primary's redis-server; return (its port, the promoted replica's port) once the
         sentinels announce the replica and it takes writes as primary."""
+        old = self.kill_primary_now(timeout)
+        return old, self.wait_promoted(old, timeout)
+
+    def kill_primary_now(self, timeout: float = 30) -> int:
+        """kill -9 the primary's redis-server once a replica is fit to replace it; return its port."""
         old = self.primary_port()
         wait_until(
             self._ready_to_fail_over_unchecked, timeout, f"no replica fit to promote:\n{self._events()}"
@@ -107,12 +112,16 @@ class SentinelTopology:
         proc = self._by_port[old]
         proc.kill()
         proc.wait(timeout=10)
+        return old
+
+    def wait_promoted(self, old: int, timeout: float = 30) -> int:
+        """The port of the primary that replaced `old`, once announced and taking writes."""
         wait_until(
             lambda: self.primary_port() != old, timeout, f"no new primary announced:\n{self._events()}"
         )
         new = self.primary_port()
         wait_until(lambda: self.role(new) == "master", timeout, f"{new} never became primary")
-        return old, new
+        return new
 
     def restart(self, port: int, timeout: float = 30) -> None:
         """Start a killed data server again on its port; the sentinels make it the primary's replica."""
