@@ -27,15 +27,28 @@ from engine.core.spec import ModelCacheSpec
 from engine.kv.arena import KVArena
 from engine.kv.buffers import round_up
 from engine.kv.convert import blocks_to_caches
+from engine.kv.layered import KEEP_CHECKPOINTS, Checkpoint, inherited_checkpoints, take_checkpoint
 from engine.kv.quant import KVQuant
 from engine.kv.quantized import blocks_to_quantized_caches, empty_quantized_caches
 from engine.kv.window import WindowKVCache
 
 
 def ragged_fits(spec: ModelCacheSpec, model: Any) -> bool:
-    """Whether the ragged batch runs this model: a verified architecture (its attention routed)
-    whose layers are all KV layers (full or sliding-window; per-layer shapes are fine)."""
-    return all(layer.kind in ("full", "sliding") for layer in spec.layers) and route_attention(model)
+    """Whether the ragged batch runs this model: a verified architecture (its attention and state
+    mixers routed). Every layer kind the spec knows runs there (full, sliding, state, CacheList)."""
+    return route_attention(model)
+
+
+def row_cache(cache: Any) -> Any:
+    """A layer cache as a ragged row holds it: a RotatingKVCache becomes a WindowKVCache (engine/kv/
+    window.py), a CacheList's members likewise; anything else as it is."""
+    from mlx_lm.models.cache import CacheList, RotatingKVCache
+
+    if isinstance(cache, RotatingKVCache):
+        return WindowKVCache.from_rotating(cache)
+    if isinstance(cache, CacheList):
+        return CacheList(*(row_cache(member) for member in cache.caches))
+    return cache
 
 
 def one_head_count(spec: ModelCacheSpec) -> bool:
@@ -115,6 +128,7 @@ class RaggedBackend:
         self.spec = spec
         self.arena = arena
         self.kv_quant = kv_quant
+        self._checkpoints: dict[int, dict[int, Checkpoint]] = {}  # uid -> SSM state by block end
 
     def insert(
         self,
@@ -141,7 +155,7 @@ class RaggedBackend:
             layers = blocks_to_caches(cache, reused, capacity=capacity, arena=self.arena)
         else:
             layers = self._empty_layers(capacity)
-        return self.generator.insert(
+        uid = self.generator.insert(
             layers,
             prompt[:reused],
             prompt[reused:],
@@ -151,6 +165,9 @@ class RaggedBackend:
             processors=processors,
             top_logprobs=top_logprobs,
         )
+        if self.spec.has_state_layers:  # a resumed row keeps the checkpoints it stands on
+            self._checkpoints[uid] = inherited_checkpoints(cache, reused) if cache is not None else {}
+        return uid
 
     def _empty_layers(self, capacity: int) -> list[Any]:
         from mlx_lm.models.cache import KVCache
@@ -163,24 +180,42 @@ class RaggedBackend:
         return layers
 
     def _layered_layers(self, cache: AgentCache | None, reused: int) -> list[Any]:
-        """A row's caches for a model with sliding-window layers or per-layer shapes: KVCaches for
-        full layers, WindowKVCaches for sliding ones; from the saved blocks (a sliding layer's
-        blocks hold its window's tokens) when resumed."""
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
+        """A row's caches for a model that is not plain full attention: the model's own cache list
+        (KVCache, ArraysCache for SSM state, CacheList), sliding layers as WindowKVCaches; from the
+        saved blocks when resumed (a sliding layer's blocks hold its window's tokens, in order; a
+        state layer's the checkpoint at the resume point)."""
+        from mlx_lm.models.cache import make_prompt_cache
 
         if cache is not None and reused > 0:
-            rebuilt = blocks_to_caches(cache, reused)  # engine/kv/layered.py: RotatingKVCaches in order
-            return [WindowKVCache.from_rotating(c) if isinstance(c, RotatingKVCache) else c for c in rebuilt]
-        return [KVCache() if window is None else WindowKVCache(window) for window in self.generator.windows]
+            return [row_cache(c) for c in blocks_to_caches(cache, reused)]  # engine/kv/layered.py
+        return [row_cache(c) for c in make_prompt_cache(self.generator.model)]
+
+    def _checkpoint(self) -> None:
+        """Copy the state of every row that stands on a block boundary (the ragged step ends a
+        state model's runs there) to the host: what its blocks keep for a later resume."""
+        block = self.spec.block_tokens
+        for uid, row in self.generator.rows.items():
+            length = row.length
+            if length == 0 or length % block:
+                continue
+            taken = self._checkpoints.setdefault(uid, {})
+            if length not in taken:
+                taken[length] = take_checkpoint(row.layers, self.spec)
+                for old in sorted(taken)[:-KEEP_CHECKPOINTS]:
+                    del taken[old]
 
     def step(self) -> list[GeneratedToken]:
-        return [GeneratedToken(t.uid, t.token, t.finish_reason, t.logprobs) for t in self.generator.step()]
+        out = [GeneratedToken(t.uid, t.token, t.finish_reason, t.logprobs) for t in self.generator.step()]
+        if self.spec.has_state_layers:
+            self._checkpoint()
+        return out
 
     def finish(self, uid: int, want_kv: bool) -> FinishedKV | None:
         row = self.generator.remove(uid)
+        checkpoints = self._checkpoints.pop(uid, {})
         if row is None:
             return None
-        kv = FinishedKV(row.layers, row.cached_tokens)
+        kv = FinishedKV(row.layers, row.cached_tokens, checkpoints)
         if want_kv:
             return kv
         self.release(kv)

@@ -22,7 +22,7 @@ from engine.core.blocks import AgentCache
 from engine.core.params import LogitsProcessor
 from engine.core.spec import ModelCacheSpec
 from engine.kv.convert import blocks_to_caches
-from engine.kv.layered import Checkpoint, take_checkpoint
+from engine.kv.layered import Checkpoint, inherited_checkpoints, take_checkpoint
 
 
 class CheckpointingBatchBackend(MlxBatchBackend):
@@ -99,13 +99,3 @@ def block_segments(prompt: list[int], reused: int, block_tokens: int) -> list[li
     cuts = list(range((reused // block_tokens + 1) * block_tokens, len(prompt), block_tokens))
     edges = [reused, *cuts, len(prompt)]
     return [prompt[a:b] for a, b in zip(edges, edges[1:], strict=False) if b > a]
-
-
-def inherited_checkpoints(cache: AgentCache, reused: int) -> dict[int, Checkpoint]:
-    """The checkpoints of `cache` a sequence resumed at `reused` still stands on."""
-    out = {}
-    for index, block in enumerate(cache.blocks):
-        end = (index + 1) * cache.spec.block_tokens
-        if block.states and end <= reused:
-            out[end] = block.states
-    return out

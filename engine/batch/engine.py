@@ -137,8 +137,8 @@ class BlockPoolBatchEngine:
         if self.kv_quant is not None and use_ragged and not self.spec.all_full_attention:
             raise ValueError(
                 f"kv_bits needs every layer to be full attention of one shape; {type(model).__module__} "
-                "has sliding-window layers or per-layer shapes, whose K/V the ragged batch keeps "
-                "unquantized: leave kv_bits unset"
+                "has sliding-window layers, per-layer shapes or SSM state, whose caches the ragged "
+                "batch keeps unquantized: leave kv_bits unset"
             )
         if self.kv_quant is not None and not use_ragged:
             raise ValueError(

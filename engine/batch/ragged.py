@@ -43,6 +43,7 @@ from engine.batch import acceleration
 from engine.batch.attention import AttentionCall, QuantizedCall, fused_attention
 from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
+from engine.batch.state_rows import FlatCacheList, FlatStateCache, route_state_mixers
 from engine.core.params import LogitsProcessor
 from engine.core.results import TokenLogprobs
 from engine.kv.window import WindowKVCache
@@ -69,8 +70,20 @@ SUPPORTED_MODULES = frozenset(
         "mlx_lm.models.deepseek_v2",
         # MLA over the latent cache (LATENT_MODULES), no ShortSlots
         "mlx_lm.models.deepseek_v3",
+        # SSM / linear-attention state per row (engine/batch/state_rows.py), no ShortSlots
+        "mlx_lm.models.mamba",
+        "mlx_lm.models.mamba2",
+        "mlx_lm.models.qwen3_next",
+        "mlx_lm.models.qwen3_5",
+        "mlx_lm.models.falcon_h1",
     }
 )
+
+# Modules whose attention lives in another module (qwen3_5 imports qwen3_next's): routed too.
+ATTENTION_FROM = {"mlx_lm.models.qwen3_5": ("mlx_lm.models.qwen3_next",)}
+# Modules whose logits are not head(body(...)) by body_and_head's rule (falcon_h1 scales tied logits;
+# qwen3_5 nests its language model): the step runs the whole model and projects every token.
+WHOLE_MODEL = frozenset({"mlx_lm.models.falcon_h1", "mlx_lm.models.qwen3_5"})
 
 # Modules whose attention caches MLA's latent and rope key (keys: (1, 1, n, kv_lora_rank), values:
 # (1, 1, n, rope_dim)) and scores the rope part itself: it computes (q_pe * scale) @ k_pe^T and hands
@@ -245,10 +258,16 @@ def route_attention(model: Any) -> bool:
     module_name = type(model).__module__
     if module_name not in SUPPORTED_MODULES:
         return False
-    module: Any = sys.modules[module_name]
-    original = module.scaled_dot_product_attention
-    if getattr(original, "_kvrq_routed", False):
-        return True
+    route_state_mixers(module_name)
+    for name in (module_name, *ATTENTION_FROM.get(module_name, ())):
+        _route_module(sys.modules[name])
+    return True
+
+
+def _route_module(module: Any) -> None:
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None or getattr(original, "_kvrq_routed", False):
+        return  # no attention (mamba), or routed already
 
     def scaled_dot_product_attention(
         queries: mx.array,
@@ -266,21 +285,51 @@ def route_attention(model: Any) -> bool:
     scaled_dot_product_attention._kvrq_routed = True  # type: ignore[attr-defined]
     module.scaled_dot_product_attention = scaled_dot_product_attention
     acceleration.route_swiglu(module)
-    return True
 
 
-def body_and_head(model: Any) -> tuple[Any, Any]:
-    """The model's layers up to the final norm (`model.model`; OpenELM's `model.transformer`) and
-    its vocabulary projection: its lm_head, or the embeddings where it has none (tied: mlx-lm
-    leaves lm_head out). Every SUPPORTED_MODULES model's logits are exactly head(body(...))."""
-    body = getattr(model, "model", None)
-    if body is None:
-        body = model.transformer
+def body_and_head(model: Any) -> tuple[Any, Any] | None:
+    """The model's layers up to the final norm (`model.model`; OpenELM's `model.transformer`, mamba's
+    `model.backbone`) and its vocabulary projection: its lm_head, or the embeddings where it has none
+    (tied: mlx-lm leaves lm_head out). Every SUPPORTED_MODULES model's logits are exactly
+    head(body(...)), except WHOLE_MODEL's (None)."""
+    if type(model).__module__ in WHOLE_MODEL:
+        return None
+    body = next(
+        b for b in (getattr(model, n, None) for n in ("model", "transformer", "backbone")) if b is not None
+    )
     head = getattr(model, "lm_head", None)
     if head is None:
-        embeddings = getattr(body, "embed_tokens", None)
-        head = (body.token_embeddings if embeddings is None else embeddings).as_linear
+        embeddings = next(
+            e
+            for e in (getattr(body, n, None) for n in ("embed_tokens", "token_embeddings", "embeddings"))
+            if e is not None
+        )
+        head = embeddings.as_linear
     return body, head
+
+
+def layer_kinds(model: Any) -> list[Any]:
+    """Per layer of the model's cache list: "kv", "state" (an ArraysCache), or the list of its
+    members' kinds (a CacheList)."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+
+    def kind(cache: Any) -> Any:
+        if isinstance(cache, CacheList):
+            return [kind(member) for member in cache.caches]
+        return "state" if isinstance(cache, ArraysCache) else "kv"
+
+    return [kind(cache) for cache in make_prompt_cache(model)]
+
+
+def layer_arrays(layer: Any) -> list[Any]:
+    """The arrays a row's layer cache holds (what a step writes), whatever its kind."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    if isinstance(layer, CacheList):
+        return [a for member in layer.caches for a in layer_arrays(member)]
+    if isinstance(layer, ArraysCache):
+        return [a for a in layer.cache if a is not None]
+    return [a for a in (layer.keys, layer.values) if a is not None]
 
 
 def layer_windows(model: Any) -> list[int | None]:
@@ -377,17 +426,25 @@ class RaggedBatchGenerator:
         # The vocabulary projection runs on the rows that sample only: a step finishing a
         # 256-token prompt chunk would otherwise project all 256 (~14 GFLOP for SmolLM2's
         # 49K vocabulary, ~0.1 s here) to keep one.
-        self._body, self._head = body_and_head(model)
+        split = body_and_head(model)
+        self._body: Any = None if split is None else split[0]
+        self._head: Any = None if split is None else split[1]
         # Per layer, the sliding window of its attention (None: full), as the model's own caches say.
         self.windows = layer_windows(model)
+        self.kinds = layer_kinds(model)
         self.latent = type(model).__module__ in LATENT_MODULES
+        # State layers (SSM, linear attention): a row's state is checkpointed where its length is a
+        # multiple of this (engine/batch/backends.py), so no run crosses one.
+        self.has_state = any(k != "kv" for k in self.kinds)
+        self.block_tokens = 256
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.rows: dict[int, Row] = {}
         self.prompt_tokens_run = 0  # prompt tokens fed, less each prompt's last (as mlx-lm counts)
         self.steps = 0
         self.last_step = StepStats()
         self.slots = ShortSlots()
-        self.short_slots = short_slots and not self.latent  # the slots attend plainly: not MLA
+        # The slots attend plainly (not MLA) and hold K/V only (no state).
+        self.short_slots = short_slots and not self.latent and not self.has_state
         self._held_back_last_step = False
         self._next_uid = 0
 
@@ -499,6 +556,8 @@ class RaggedBatchGenerator:
             if budget <= 0:
                 break
             n = min(budget, len(row.pending))
+            if self.has_state:  # end on the next block boundary: the state is checkpointed there
+                n = min(n, (row.length // self.block_tokens + 1) * self.block_tokens - row.length)
             finishing_tokens = self.prefill_tokens_per_step - budget
             if (
                 n < len(row.pending)
@@ -547,22 +606,33 @@ class RaggedBatchGenerator:
         lengths = [n for _, n in own]
         position_array = mx.array(positions)
         slot_masks = slot_window_masks(slot_step, self.windows)
-        caches = [
-            FlatLayerCache(
-                [row.layers[i] for row, _ in own],
+
+        def flat(kind: Any, layers: list[Any], i: int) -> Any:
+            if isinstance(kind, list):  # a CacheList: its members' views
+                return FlatCacheList(
+                    [flat(k, [layer.caches[m] for layer in layers], i) for m, k in enumerate(kind)]
+                )
+            if kind == "state":
+                return FlatStateCache(layers, lengths, padding)
+            window = self.windows[i]
+            return FlatLayerCache(
+                layers,
                 lengths,
                 position_array,
                 self.slots,
                 slot_step,
                 i,
                 padding,
-                slot_masks.get(self.windows[i]),
+                slot_masks.get(window),
                 self.latent,
             )
-            for i in range(n_layers)
-        ]
+
+        caches = [flat(self.kinds[i], [row.layers[i] for row, _ in own], i) for i in range(n_layers)]
         with acceleration.in_step(shortcuts):
-            hidden = self._body(mx.array(tokens)[:, None], caches)[:, -1, :]
+            if self._body is None:  # the whole model (WHOLE_MODEL): logits for every token
+                hidden = self.model(mx.array(tokens)[:, None], caches)[:, -1, :]
+            else:
+                hidden = self._body(mx.array(tokens)[:, None], caches)[:, -1, :]
         ends, last = [], -1
         for _, n in runs:
             last += n
@@ -571,7 +641,7 @@ class RaggedBatchGenerator:
         written = [
             self.slots.keys,
             self.slots.values,
-            [(layer.keys, layer.values) for row, _ in own for layer in row.layers],
+            [layer_arrays(layer) for row, _ in own for layer in row.layers],
         ]
         if not finishing:
             mx.eval(written)
@@ -579,7 +649,8 @@ class RaggedBatchGenerator:
         # Padded like the step's rows (engine/cpu/gemm_rows.py): the head's matmul is the step's largest.
         picks = [end for _, end in finishing]
         picks += picks[-1:] * (acceleration.padded_rows(len(picks), shortcuts) - len(picks))
-        picked = self._head(hidden[mx.array(picks)])[: len(finishing)]
+        picked = hidden[mx.array(picks)]
+        picked = (picked if self._head is None else self._head(picked))[: len(finishing)]
         rows = [row for row, _ in finishing]
         if all(row.plain for row in rows):
             # Greedy: the log-softmax shifts a row by one constant, so argmax needs no exp

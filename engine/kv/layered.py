@@ -68,6 +68,16 @@ def take_checkpoint(layers: Sequence[Any], spec: ModelCacheSpec) -> Checkpoint:
     return tuple(tuple(_host_copy(a) for a in layer_arrays) for layer_arrays in arrays)
 
 
+def inherited_checkpoints(cache: AgentCache, reused: int) -> dict[int, Checkpoint]:
+    """The checkpoints of `cache` a sequence resumed at `reused` still stands on."""
+    out = {}
+    for index, block in enumerate(cache.blocks):
+        end = (index + 1) * cache.spec.block_tokens
+        if block.states and end <= reused:
+            out[end] = block.states
+    return out
+
+
 def _host_copy(array: mx.array) -> np.ndarray:
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)

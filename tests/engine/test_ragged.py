@@ -177,14 +177,20 @@ def test_finished_rows_give_their_buffers_back_for_the_next_one(engine: BlockPoo
     assert uid not in backend.generator.rows  # type: ignore[attr-defined]
 
 
-def test_unsupported_architectures_use_mlx_lms_batch_generator() -> None:
-    mamba = tiny_model("mamba")  # SSM state: not (yet) on the ragged batch
-    eng = BlockPoolBatchEngine(mamba, ByteTokenizer(), model_name="tiny-mamba", pool_blocks=8)
+def test_unsupported_architectures_use_mlx_lms_batch_generator(
+    model: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An architecture not in the verified list (every tested family is: here llama is struck off it)
+    falls back to mlx-lm's BatchGenerator, and asking for the ragged batch is an error."""
+    import engine.batch.ragged as ragged
+
+    monkeypatch.setattr(ragged, "SUPPORTED_MODULES", frozenset())
+    eng = BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny-llama", pool_blocks=8)
     assert not eng.ragged
     uid = eng.submit("a", prompt(20), SamplingParams(max_tokens=4, stop_tokens=()))
     assert len(run_all(eng)[uid].token_ids) == 4
     with pytest.raises(ValueError, match="cannot run in the ragged batch"):
-        BlockPoolBatchEngine(mamba, ByteTokenizer(), model_name="tiny-mamba", pool_blocks=8, ragged=True)
+        BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny-llama", pool_blocks=8, ragged=True)
 
 
 def test_forcing_the_batch_generator_gives_the_same_greedy_tokens(model: object) -> None:

@@ -19,8 +19,21 @@ from tests.engine.tiny import ByteTokenizer, tiny_model
 pytestmark = pytest.mark.mlx_path  # run again with KVRQ_CPU_SHORTCUTS=0 by .ci/test
 
 SLIDING = ["gemma3_text", "gpt_oss", "ministral3"]
-# Moved onto the ragged batch with the sliding ones: per-layer head counts, MLA (heads / latent).
-MOVED = [*SLIDING, "openelm", "deepseek_v2", "deepseek_v3"]
+# Moved onto the ragged batch with the sliding ones: per-layer head counts, MLA (heads / latent),
+# full attention not verified before, and SSM / linear-attention state (hybrids and pure SSMs).
+MOVED = [
+    *SLIDING,
+    "openelm",
+    "deepseek_v2",
+    "deepseek_v3",
+    "qwen3_moe",
+    "phi3",
+    "qwen3_next",
+    "qwen3_5",
+    "falcon_h1",
+    "mamba",
+    "mamba2",
+]
 NO_EOS = SamplingParams(max_tokens=10, stop_tokens=())
 
 
@@ -46,17 +59,17 @@ def moved(request: pytest.FixtureRequest) -> tuple[str, Any]:
 
 def test_a_join_mid_decode_changes_no_batch_mates_tokens(moved: tuple[str, Any]) -> None:
     """Two rows decoding (one short, in the slots where the family has them; one past the window,
-    alone), then a warm agent (saved cache + suffix) and a cold prompt join: everyone's tokens are
-    mlx_lm.generate's."""
+    alone), then a warm agent (a saved cache of 512 tokens, a block boundary where SSM state is
+    checkpointed, + a suffix) and a cold prompt join: everyone's tokens are mlx_lm.generate's."""
     arch, model = moved
     engine = make_engine(model, arch, prefill_tokens_per_step=64)
     try:
         assert engine.ragged
         saved_uid = engine.submit(
-            "agent", prompt_of(200, salt=2), SamplingParams(max_tokens=3, stop_tokens=())
+            "agent", prompt_of(510, salt=2), SamplingParams(max_tokens=3, stop_tokens=())
         )
         cache = run_all(engine)[saved_uid].cache
-        assert cache is not None
+        assert cache is not None and cache.n_tokens == 512  # the last sampled token has no K/V yet
         mates = [prompt_of(20, salt=1), prompt_of(150, salt=4)]
         mate_uids = [
             engine.submit(f"m{i}", p, SamplingParams(max_tokens=24, stop_tokens=()))
@@ -132,7 +145,9 @@ def test_window_cache_gives_each_run_its_window_and_mask(window: int) -> None:
 
 
 def test_kv_bits_is_refused_for_sliding_layers_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="sliding-window layers or per-layer shapes.*leave kv_bits unset"):
+    with pytest.raises(
+        ValueError, match="sliding-window layers, per-layer shapes or SSM state.*leave kv_bits unset"
+    ):
         make_engine(
             tiny_model("gemma3_text", head_dim=32, query_pre_attn_scalar=32),
             "gemma3_text",
@@ -144,11 +159,12 @@ def test_kv_bits_is_refused_for_sliding_layers_with_the_reason() -> None:
 @pytest.mark.parametrize(
     ("arch", "reason"),
     [
-        ("openelm", "per-layer shapes"),
+        ("openelm", "per-layer shapes or SSM state"),
+        ("qwen3_next", "per-layer shapes or SSM state"),
         ("deepseek_v3", "MLA attention over the latent cache runs unquantized"),
     ],
 )
-def test_kv_bits_is_refused_for_per_layer_shapes_and_latent_mla(arch: str, reason: str) -> None:
+def test_kv_bits_is_refused_for_per_layer_shapes_state_and_latent_mla(arch: str, reason: str) -> None:
     from tests.engine.tiny import QUANTIZABLE
 
     with pytest.raises(ValueError, match=f"{reason}.*leave kv_bits unset"):

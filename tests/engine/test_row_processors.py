@@ -211,7 +211,7 @@ def test_rows_of_a_state_space_model_mix_too() -> None:
     processors; here the rows differ in their settings only."""
     model = tiny_model("mamba")
     engine = BlockPoolBatchEngine(
-        model, ByteTokenizer(), model_name="tiny-mamba", pool_blocks=32, max_batch=16
+        model, ByteTokenizer(), model_name="tiny-mamba", pool_blocks=32, max_batch=16, ragged=False
     )
     try:
         rows = [(PROMPTS[1], case) for case in CASES.values()]
