@@ -14,6 +14,11 @@
    through the whole worker path (cold = the same turn as a job with no agent) as a fraction of
    raw mlx-lm's own in the same run (cold = prefill in 512-token steps to the first token; warm =
    `load_prompt_cache` of the history from a file + the new tokens).
+5. Warm join (`--warm-join`): an agent with ~1K / ~2K tokens of history (its cache in the worker's hot
+   tier) joins 8 decoding sequences; client submit -> first streamed token, split by the worker's
+   timeline of the job (worker/timeline.py) into enqueue / queue / take / cache load / submit / to step
+   / step / publish, in ms and in the batch mates' step time measured in the same round; and the mates'
+   step that carried the joiner's suffix, and those after, against their steps before.
 
 Everything runs on this machine, in one run: a private redis-server, worker subprocesses
 (`kvrq worker`, OpenBLAS preloaded like this process), this process idle while they work.
@@ -185,6 +190,22 @@ def history_for(tokenizer: Any, target_tokens: int) -> list[dict[str, str]]:
     return chat("How many boats are in the fleet?", system)
 
 
+def first_turn(
+    producer: Any, tokenizer: Any, target_tokens: int, settle_s: float
+) -> tuple[str, list[dict[str, str]]]:
+    """A new agent's first turn (about `target_tokens` tokens), run: its id and its next turn's messages."""
+    agent = f"bench-{uuid.uuid4().hex[:8]}"
+    turn1 = history_for(tokenizer, target_tokens)
+    first = producer.submit({"agent_id": agent, "messages": turn1, "max_tokens": 16}).result(timeout=600)
+    time.sleep(settle_s)
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And in winter?"},
+    ]
+    return agent, turn2
+
+
 def warm_vs_cold(
     producer: Any, tokenizer: Any, target_tokens: int, repeats: int, settle_s: float = 0.0
 ) -> tuple[dict[str, Any], list[dict[str, str]]]:
@@ -193,15 +214,7 @@ def warm_vs_cold(
     `settle_s` after turn 1 lets the store's write-behind reach the backend (a store read, not memory)."""
     warm, cold, loads, prompt_sizes, reused, warm_engine, cold_engine = [], [], [], [], [], [], []
     for _ in range(repeats):
-        agent = f"bench-{uuid.uuid4().hex[:8]}"
-        turn1 = history_for(tokenizer, target_tokens)
-        first = producer.submit({"agent_id": agent, "messages": turn1, "max_tokens": 16}).result(timeout=600)
-        time.sleep(settle_s)
-        turn2 = [
-            *turn1,
-            {"role": "assistant", "content": first.text},
-            {"role": "user", "content": "And in winter?"},
-        ]
+        agent, turn2 = first_turn(producer, tokenizer, target_tokens, settle_s)
         warm_s, warm_result = first_token(producer, {"agent_id": agent, "messages": turn2, "max_tokens": 1})
         # Cold: the same prompt with no agent, so no store (another agent's shared prefix blocks would
         # otherwise warm-start a fresh agent).
@@ -274,7 +287,175 @@ def floor(
     return rows
 
 
-PARTS = ("throughput", "overhead", "warm", "floor")
+# ---- a warm agent joining a busy batch ------------------------------------------------------
+
+MATES = 8
+#: client submit -> in Redis (rq's enqueued_at) -> dequeued by the worker -> parsed, tokenized, started
+#: in rq -> turn taken, cache read -> engine.submit() returned -> the next step began -> that step
+#: returned the first token -> the client read it (worker/timeline.py).
+JOIN_SPLIT = ("enqueue", "queue", "take", "cache load", "submit", "to step", "step", "publish")
+
+
+class Mate:
+    """A batch mate: a long greedy job (EOS banned) whose delta arrival times a thread records."""
+
+    def __init__(self, producer: Any, question: str, eos: list[int], max_tokens: int) -> None:
+        import threading
+
+        bias = {str(t): -100.0 for t in eos}
+        self.handle = producer.submit(
+            {"messages": chat(question), "max_tokens": max_tokens, "logit_bias": bias}
+        )
+        self.arrivals: list[float] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for event in self.handle.events(timeout=600):
+            if event.kind == "delta":
+                self.arrivals.append(time.time())
+
+
+def step_gaps(mates: list[Mate], start: float, end: float) -> list[float]:
+    """The batch's steps in [start, end): the gaps between one mate's deltas (one per step; every
+    mate's delta of a step comes in the same publish)."""
+    gaps: list[float] = []
+    reference = mates[0].arrivals
+    for i in range(1, len(reference)):
+        if start <= reference[i - 1] and reference[i] < end:
+            gaps.append(reference[i] - reference[i - 1])
+    return gaps
+
+
+def gap_ending_at(mates: list[Mate], moment: float) -> float:
+    """The batch mates' step whose deltas were published with the joiner's first token (median over mates)."""
+    gaps = []
+    for mate in mates:
+        times = mate.arrivals
+        nearest = min(range(1, len(times)), key=lambda i: abs(times[i] - moment))
+        gaps.append(times[nearest] - times[nearest - 1])
+    return statistics.median(gaps)
+
+
+def warm_join_once(
+    producer: Any, tokenizer: Any, target_tokens: int, seed: int, settle_s: float = 0.0
+) -> dict[str, Any]:
+    """One join; `settle_s` after turn 1 lets a worker without a hot tier write its cache first."""
+    import random
+
+    rng = random.Random(seed)
+    eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+    agent, turn2 = first_turn(producer, tokenizer, target_tokens, settle_s)
+    mates = [Mate(producer, QUESTIONS[i], eos, 72) for i in range(MATES)]
+    while min(len(m.arrivals) for m in mates) < 16:  # all eight decoding, past their own prefill
+        time.sleep(0.01)
+    before_start = mates[0].arrivals[6]  # steady decoding from here until the join
+    recent = step_gaps(mates, before_start, time.time())
+    time.sleep(rng.uniform(0.0, statistics.median(recent)))  # arrive at a random point of a step
+    submitted = time.time()
+    handle = producer.submit({"agent_id": agent, "messages": turn2, "max_tokens": 4})
+    for event in handle.events(timeout=600):
+        if event.kind == "delta":
+            break
+    first_token = time.time()
+    result = handle.result(timeout=600)
+    for mate in mates:
+        mate.handle.result(timeout=600)
+        mate.thread.join(timeout=10)
+    busy = statistics.median(step_gaps(mates, before_start, submitted))
+    joined = gap_ending_at(mates, first_token)
+    after = statistics.median(step_gaps(mates, first_token + 0.001, first_token + 8 * busy))
+    timeline = handle.meta().get("progress", {}).get("timeline", {})
+    marks = [submitted] + [
+        timeline[k]
+        for k in ("enqueued", "dequeued", "held", "cache_ready", "admitted", "step_started", "first_token")
+    ]
+    split_s = {name: b - a for name, a, b in zip(JOIN_SPLIT, marks, [*marks[1:], first_token], strict=True)}
+    return {
+        "prompt_tokens": result.usage.prompt_tokens,
+        "reused_tokens": result.usage.reused_tokens,
+        "first_token_s": first_token - submitted,
+        "busy_step_s": busy,
+        "join_step_s": joined,
+        "after_step_s": after,
+        "split_s": split_s,
+        "steps": {
+            "dequeued": timeline["dequeued_step"],
+            "cache_ready": timeline["cache_ready_step"],
+            "admitted": timeline["admitted_step"],
+            "first_token": timeline["first_token_step"],
+        },
+    }
+
+
+def warm_join(
+    producer: Any, tokenizer: Any, contexts: tuple[int, ...], repeats: int, settle_s: float = 0.0
+) -> dict[int, Any]:
+    """A warm agent joining MATES decoding sequences: client submit -> first streamed token, and where
+    it went (worker/timeline.py), in the batch mates' step times measured in the same round."""
+    rows: dict[int, Any] = {}
+    for n in contexts:
+        runs = []
+        for r in range(repeats):
+            run = warm_join_once(producer, tokenizer, n, seed=r, settle_s=settle_s)
+            steps = run["busy_step_s"]
+            print(
+                f"join {n}: {run['prompt_tokens']} tokens ({run['reused_tokens']} reused): "
+                f"{1000 * run['first_token_s']:.0f} ms = {run['first_token_s'] / steps:.2f} steps of "
+                f"{1000 * steps:.0f} ms; "
+                + ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in run["split_s"].items())
+                + f"; engine steps {run['steps']}; join step {run['join_step_s'] / steps:.2f}x, "
+                f"after {run['after_step_s'] / steps:.2f}x",
+                flush=True,
+            )
+            runs.append(run)
+        rows[n] = summarize_joins(runs)
+    return rows
+
+
+def summarize_joins(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the runs; each run's times in its own busy steps first."""
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    return {
+        "runs": len(runs),
+        "prompt_tokens": runs[0]["prompt_tokens"],
+        "reused_tokens": runs[0]["reused_tokens"],
+        "busy_step_ms": 1000 * med([r["busy_step_s"] for r in runs]),
+        "first_token_ms": 1000 * med([r["first_token_s"] for r in runs]),
+        "first_token_steps": med([r["first_token_s"] / r["busy_step_s"] for r in runs]),
+        "split_ms": {k: 1000 * med([r["split_s"][k] for r in runs]) for k in JOIN_SPLIT},
+        "split_steps": {k: med([r["split_s"][k] / r["busy_step_s"] for r in runs]) for k in JOIN_SPLIT},
+        "join_step_ratio": med([r["join_step_s"] / r["busy_step_s"] for r in runs]),
+        "after_step_ratio": med([r["after_step_s"] / r["busy_step_s"] for r in runs]),
+        "engine_steps_dequeue_to_first_token": med(
+            [r["steps"]["first_token"] - r["steps"]["dequeued"] for r in runs]
+        ),
+        "all_first_token_steps": [round(r["first_token_s"] / r["busy_step_s"], 2) for r in runs],
+    }
+
+
+def print_joins(report: dict[str, Any]) -> None:
+    """Times in ms, and in the batch mates' busy steps in brackets."""
+    print(
+        f"\n| store | history | prompt / reused | busy step | first token | in steps | "
+        f"{' | '.join(JOIN_SPLIT)} | join step | after |"
+    )
+    print("|---|---|---|---|---|---|" + "---|" * len(JOIN_SPLIT) + "---|---|")
+    for store, rows in report["warm_join"].items():
+        for n, row in rows.items():
+            split = " | ".join(f"{row['split_ms'][k]:.0f} ({row['split_steps'][k]:.2f})" for k in JOIN_SPLIT)
+            print(
+                f"| {store} | {n} | {row['prompt_tokens']} / {row['reused_tokens']} "
+                f"| {row['busy_step_ms']:.0f} ms "
+                f"| {row['first_token_ms']:.0f} ms | {row['first_token_steps']:.2f} | {split} "
+                f"| {row['join_step_ratio']:.2f}x | {row['after_step_ratio']:.2f}x |"
+            )
+
+
+PARTS = ("throughput", "overhead", "warm", "floor", "join")
 
 
 def main() -> int:
@@ -290,11 +471,15 @@ def main() -> int:
         help="run only these parts (repeat); the others keep their figures from the existing JSON",
     )
     parser.add_argument(
+        "--warm-join", action="store_true", help="only the warm join into 8 busy sequences (= --only join)"
+    )
+    parser.add_argument("--join-repeats", type=int, default=5, help="warm joins per history size")
+    parser.add_argument(
         "--floor-contexts", default="512,1024,2048,4096,8192", help="history sizes of the floor part"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "worker.json"))
     args = parser.parse_args()
-    parts = set(args.only or PARTS)
+    parts = {"join"} if args.warm_join else set(args.only or PARTS)
     max_tokens = 24 if args.quick else 64
     repeats = 10 if args.quick else 40
     warm_repeats = 1 if args.quick else 3
@@ -310,7 +495,8 @@ def main() -> int:
     requests = [{"messages": chat(q), "max_tokens": max_tokens} for q in QUESTIONS]
     prompts = [prompt_tokens(tokenizer, GenerationRequest.model_validate(r)) for r in requests]
     out = Path(args.out)
-    report: dict[str, Any] = json.loads(out.read_text()) if out.exists() and args.only else {}
+    keep = args.only or args.warm_join
+    report: dict[str, Any] = json.loads(out.read_text()) if out.exists() and keep else {}
     report["machine"] = {
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
@@ -338,6 +524,9 @@ def main() -> int:
             if "warm" in parts:
                 print("warm vs cold ...", flush=True)
                 hot = {n: warm_vs_cold(producer, tokenizer, n, warm_repeats)[0] for n in (1024, 2048)}
+            if "join" in parts:
+                print("warm join into 8 busy sequences (hot tier) ...", flush=True)
+                joins = {"hot_tier": warm_join(producer, tokenizer, (1024, 2048), args.join_repeats)}
             if "floor" in parts:
                 contexts = tuple(int(n) for n in args.floor_contexts.split(","))
                 report["floor"] = floor(producer, model, tokenizer, workdir, contexts)
@@ -358,6 +547,13 @@ def main() -> int:
                     for n in (1024, 2048)
                 }
             report["warm_vs_cold"] = {"hot_tier": hot, "disk": disk, "redis": from_redis}
+        if "join" in parts:
+            print("warm join into 8 busy sequences (hot tier off: caches read from disk) ...", flush=True)
+            disk_env = {**env, "KVRQ_STORE_HOT_MB": "0"}
+            with worker_process(url, store=f"disk:{workdir / 'cache-join'}", env=disk_env):
+                through_worker(producer, requests[:2])  # warm-up
+                joins["disk"] = warm_join(producer, tokenizer, (1024, 2048), args.join_repeats, settle_s=2.0)
+            report["warm_join"] = joins
     if "throughput" in parts:
         print("sequential mlx_lm.generate ...", flush=True)
         sequential = sequential_generate(model, tokenizer, prompts, max_tokens)
@@ -415,6 +611,8 @@ def print_table(report: dict[str, Any]) -> None:
         print_warm(report)
     if "floor" in report:
         print_floor(report)
+    if "warm_join" in report:
+        print_joins(report)
 
 
 def print_throughput(report: dict[str, Any]) -> None:

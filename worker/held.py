@@ -59,6 +59,9 @@ class HeldJob:
     stored_messages: int = 0  # of request.messages, those the stored conversation gave (the rest: the job's)
     result: dict[str, Any] | None = None  # the finished job's result, built once
     local_prefix: AgentCache | None = None  # an agent-less job's match in this worker's recent caches
+    #: Where the job's time to its first token went: unix times and the worker's engine step count at
+    #: each milestone (worker/timeline.py), published with its first token's progress write.
+    timeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def id(self) -> str:

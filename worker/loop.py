@@ -87,6 +87,7 @@ from worker.results import answer_finish_reason, build_result, cache_label, job_
 from worker.scheduled import ScheduledJobs
 from worker.scheduler import Scheduler
 from worker.settings import WorkerSettings
+from worker.timeline import mark
 from worker.tool_grammar import forced_tool_calls
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class WorkerLoop:
             self.connection, rq_worker, enabled=settings.affinity, wait_s=settings.affinity_wait
         )
         self.latency = LatencyHistograms()
+        self.steps = 0  # engine steps run: the unit of a job's timeline (worker/timeline.py)
+        self.step_started = 0.0  # unix time the latest step began
         self.ending: deque[tuple[HeldJob, Outcome]] = deque()
         self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
         #: Jobs without an agent resume from (and feed) the shared prefixes of their namespace, and the
@@ -336,19 +339,20 @@ class WorkerLoop:
 
     def _take(self, job: Job, queue: Queue) -> None:
         """A dequeued job: dropped if canceled meanwhile, rejected if invalid, held otherwise."""
+        dequeued = time.time()
         if job.get_status(refresh=False) == JobStatus.CANCELED:
             rqexec.forget_dequeued(job, queue)
             return
         try:
             request = request_from_job(job)
             if request.extends_conversation:  # its prompt waits for the stored conversation (_extend)
-                self._hold(job, queue, request, sampling_of(request), [], None)
+                self._hold(job, queue, request, sampling_of(request), [], None, dequeued)
                 return
             tokens, output, sampling = self._prepare(request)
         except (JobRejected, PromptError) as exc:
             self._reject(job, queue, f"{type(exc).__name__}: {exc}")
             return
-        self._hold(job, queue, request, sampling, tokens, output)
+        self._hold(job, queue, request, sampling, tokens, output, dequeued)
 
     def _prepare(self, request: GenerationRequest) -> tuple[list[int], OutputSplitter | None, SamplingParams]:
         """The request's prompt tokens, answer splitter and checked sampling (JobRejected / PromptError)."""
@@ -377,6 +381,7 @@ class WorkerLoop:
         sampling: SamplingParams,
         tokens: list[int],
         output: OutputSplitter | None,
+        dequeued: float,
     ) -> None:
         """Mark a valid job started, stand it in its agent's line and queue it for admission."""
         enqueued = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
@@ -402,6 +407,8 @@ class WorkerLoop:
         held.cancel_requested = bool(self.connection.exists(cancel_key(job.id)))
         self.publisher.start(job.id, execution.id)
         self.publisher.progress(job, phase="waiting", worker=self.worker.name, prompt_tokens=len(tokens))
+        held.timeline.update(enqueued=enqueued, dequeued=dequeued, dequeued_step=self.steps)
+        mark(held, "held", self.steps)
 
     # ---- admission ---------------------------------------------------------------------
 
@@ -417,6 +424,7 @@ class WorkerLoop:
                     held, Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, self._submit_error(held), retry=False)
                 )
             elif self._ready(held):
+                mark(held, "cache_ready", self.steps)
                 self._submit(held)
 
     def _ready(self, held: HeldJob) -> bool:
@@ -565,6 +573,7 @@ class WorkerLoop:
             return
         held.admitted_at = admitted_at
         held.admitted_mono = admitted_mono
+        mark(held, "admitted", self.steps)
         if held.agent_id is not None and self.store is not None:
             held.cache_hit = cache is not None
         held.wait_reason = ""
@@ -608,6 +617,8 @@ class WorkerLoop:
 
     def _step(self) -> None:
         try:
+            self.steps += 1
+            self.step_started = time.time()
             output = self.engine.step()
         except Exception:
             # One forward pass serves the whole batch: a failed step fails every job in it.
@@ -626,6 +637,9 @@ class WorkerLoop:
             if held is None:
                 continue
             held.generated += 1
+            if held.generated == 1:
+                held.timeline.update(step_started=self.step_started)
+                mark(held, "first_token", self.steps)
             text = delta.text if held.output is None else self._split(held, held.output.feed(delta.text))
             if held.output is not None and held.output.repeated_call:
                 repeating.append(held)  # only rows that wrote this step can have just repeated a call
@@ -635,7 +649,8 @@ class WorkerLoop:
                 self.publisher.data(held.id, "logprobs", entry.model_dump(mode="json"))
             if mono - held.progress_at >= self.settings.progress_interval:
                 held.progress_at = mono
-                self.publisher.progress(held.job, generated_tokens=held.generated)
+                timeline = {"timeline": held.timeline} if held.generated == 1 else {}
+                self.publisher.progress(held.job, generated_tokens=held.generated, **timeline)
         self.counts["tokens"] += len(output.deltas)
         completions = list(output.completions)
         for held in repeating:

@@ -1,0 +1,26 @@
+"""A job's way to its first token, milestone by milestone: what `bench_worker.py --warm-join` splits
+a warm join's latency with (queue, cache load, engine, publish), in engine steps as well as seconds.
+
+Each milestone is recorded once, as the unix time and the number of engine steps the worker had run
+(`<name>` and `<name>_step`); the worker publishes them in the job's progress (`timeline`) with the
+progress write of its first token, which it makes anyway.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from worker.held import HeldJob
+
+#: dequeued: the worker took it from Redis; held: parsed, tokenized and started in rq; cache_ready: its
+#: agent's turn taken and cache (or shared prefix) read; admitted: engine.submit() returned; first_token:
+#: the step that sampled it returned (that step began at `step_started`).
+Milestone = Literal["dequeued", "held", "cache_ready", "admitted", "first_token"]
+
+
+def mark(held: HeldJob, milestone: Milestone, steps: int) -> None:
+    """Record `milestone` now, unless it already was (a job waiting for KV blocks passes `_ready` again)."""
+    if milestone not in held.timeline:
+        held.timeline[milestone] = time.time()
+        held.timeline[f"{milestone}_step"] = steps
