@@ -363,7 +363,10 @@ def started_executions(queue: Queue) -> list[Execution]:
     executions = []
     for job_id, execution_id in queue.started_job_registry.get_job_and_execution_ids(cleanup=False):
         execution = Execution(id=execution_id, job_id=job_id, connection=queue.connection)
-        with contextlib.suppress(ValueError):  # its hash expired: no worker name, still an orphan
+        # ValueError: its hash expired (no worker name, still an orphan). KeyError: a partial hash, a live
+        # worker's heartbeat on an execution another worker had just re-run (after a failover's write
+        # pause outlasted the liveness TTL): before, every worker's crash check raised on it and exited.
+        with contextlib.suppress(ValueError, KeyError):
             execution.refresh()
         executions.append(execution)
     return executions
