@@ -377,6 +377,8 @@ def warm_join_once(
         "first_token_s": first_token - submitted,
         "busy_step_s": busy,
         "join_step_s": joined,
+        # CPU seconds of the worker's step that gave the first token / the step before it (all threads)
+        "join_step_cpu_ratio": timeline["step_cpu"] / timeline["step_before_cpu"],
         "after_step_s": after,
         "split_s": split_s,
         "steps": {
@@ -402,7 +404,7 @@ def warm_join(
             print(
                 f"join {n}: {run['prompt_tokens']} tokens ({run['reused_tokens']} reused): "
                 f"{1000 * run['first_token_s']:.0f} ms = {run['first_token_s'] / steps:.2f} steps of "
-                f"{1000 * steps:.0f} ms; "
+                f"{1000 * steps:.0f} ms (CPU: join step {run['join_step_cpu_ratio']:.2f}x the one before); "
                 + ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in run["split_s"].items())
                 + f"; engine steps {run['steps']}; join step {run['join_step_s'] / steps:.2f}x, "
                 f"after {run['after_step_s'] / steps:.2f}x",
@@ -429,6 +431,7 @@ def summarize_joins(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "split_ms": {k: 1000 * med([r["split_s"][k] for r in runs]) for k in JOIN_SPLIT},
         "split_steps": {k: med([r["split_s"][k] / r["busy_step_s"] for r in runs]) for k in JOIN_SPLIT},
         "join_step_ratio": med([r["join_step_s"] / r["busy_step_s"] for r in runs]),
+        "join_step_cpu_ratio": med([r["join_step_cpu_ratio"] for r in runs]),
         "after_step_ratio": med([r["after_step_s"] / r["busy_step_s"] for r in runs]),
         "engine_steps_dequeue_to_first_token": med(
             [r["steps"]["first_token"] - r["steps"]["dequeued"] for r in runs]
@@ -441,9 +444,9 @@ def print_joins(report: dict[str, Any]) -> None:
     """Times in ms, and in the batch mates' busy steps in brackets."""
     print(
         f"\n| store | history | prompt / reused | busy step | first token | in steps | "
-        f"{' | '.join(JOIN_SPLIT)} | join step | after |"
+        f"{' | '.join(JOIN_SPLIT)} | join step | join step CPU | after |"
     )
-    print("|---|---|---|---|---|---|" + "---|" * len(JOIN_SPLIT) + "---|---|")
+    print("|---|---|---|---|---|---|" + "---|" * len(JOIN_SPLIT) + "---|---|---|")
     for store, rows in report["warm_join"].items():
         for n, row in rows.items():
             split = " | ".join(f"{row['split_ms'][k]:.0f} ({row['split_steps'][k]:.2f})" for k in JOIN_SPLIT)
@@ -451,7 +454,8 @@ def print_joins(report: dict[str, Any]) -> None:
                 f"| {store} | {n} | {row['prompt_tokens']} / {row['reused_tokens']} "
                 f"| {row['busy_step_ms']:.0f} ms "
                 f"| {row['first_token_ms']:.0f} ms | {row['first_token_steps']:.2f} | {split} "
-                f"| {row['join_step_ratio']:.2f}x | {row['after_step_ratio']:.2f}x |"
+                f"| {row['join_step_ratio']:.2f}x | {row['join_step_cpu_ratio']:.2f}x "
+                f"| {row['after_step_ratio']:.2f}x |"
             )
 
 

@@ -134,6 +134,7 @@ class WorkerLoop:
         self.latency = LatencyHistograms()
         self.steps = 0  # engine steps run: the unit of a job's timeline (worker/timeline.py)
         self.step_started = 0.0  # unix time the latest step began
+        self.step_cpu = (0.0, 0.0)  # CPU seconds (all threads) of the step before the latest, and the latest
         self.ending: deque[tuple[HeldJob, Outcome]] = deque()
         self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
         #: Jobs without an agent resume from (and feed) the shared prefixes of their namespace, and the
@@ -618,8 +619,9 @@ class WorkerLoop:
     def _step(self) -> None:
         try:
             self.steps += 1
-            self.step_started = time.time()
+            self.step_started, cpu = time.time(), time.process_time()
             output = self.engine.step()
+            self.step_cpu = (self.step_cpu[1], time.process_time() - cpu)
         except Exception:
             # One forward pass serves the whole batch: a failed step fails every job in it.
             reason = traceback.format_exc()
@@ -638,7 +640,11 @@ class WorkerLoop:
                 continue
             held.generated += 1
             if held.generated == 1:
-                held.timeline.update(step_started=self.step_started)
+                held.timeline.update(
+                    step_started=self.step_started,
+                    step_cpu=self.step_cpu[1],
+                    step_before_cpu=self.step_cpu[0],
+                )
                 mark(held, "first_token", self.steps)
             text = delta.text if held.output is None else self._split(held, held.output.feed(delta.text))
             if held.output is not None and held.output.repeated_call:

@@ -2,7 +2,9 @@
 a warm join's latency with (queue, cache load, engine, publish), in engine steps as well as seconds.
 
 Each milestone is recorded once, as the unix time and the number of engine steps the worker had run
-(`<name>` and `<name>_step`); the worker publishes them in the job's progress (`timeline`) with the
+(`<name>` and `<name>_step`), and the CPU seconds of the step that gave the first token and of the one
+before it (`step_cpu`, `step_before_cpu`: a measure of the join step's cost that a loaded machine
+does not blur as it does wall time); the worker publishes them in the job's progress (`timeline`) with the
 progress write of its first token, which it makes anyway.
 """
 

@@ -134,6 +134,9 @@ def test_a_warm_job_arriving_mid_step_joins_at_the_next_boundary_and_its_first_t
     timeline = sent[0].meta()["progress"]["timeline"]
     assert timeline["dequeued_step"] == timeline["cache_ready_step"] == timeline["admitted_step"] == arrived
     assert timeline["first_token_step"] == arrived + 1
+    assert (
+        timeline["step_cpu"] > 0 and timeline["step_before_cpu"] > 0
+    )  # the join step's cost, and a busy one's
     assert timeline["enqueued"] <= timeline["dequeued"] <= timeline["admitted"] <= timeline["first_token"]
     for handle in mates:
         handle.cancel()
