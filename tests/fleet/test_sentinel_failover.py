@@ -4,8 +4,10 @@ One primary, one replica and three sentinels (redis-server binaries, loopback); 
 queue and its agent caches there (`--store redis`), both through the `redis+sentinel://` URL. While a
 producer enqueues a steady stream of jobs, the primary fails over: every enqueue that returned is on
 the new primary and finishes, exactly once (one rq result, never a second run), the worker never exits,
-and jobs enqueued after the switch run. The default suite runs one round; `-m chaos` runs 20, and the
-round with `kvrq serve` asking across the switch, an expected failure until its hang is found.
+and jobs enqueued after the switch run. These rounds run behind `-m chaos` (one, 20, and the round with
+`kvrq serve` asking across the switch, an expected failure until its hang is found): the default suite's
+failover round is tests/fleet/test_fleet_failover.py's, which checks all of this and more (two workers,
+agents' turns, records, caches) at about the cost of one worker's round.
 """
 
 from __future__ import annotations
@@ -236,6 +238,7 @@ def test_every_entry_point_takes_the_sentinel_url(
     assert primary.llen(f"rq:queue:{DEFAULT_QUEUE}") == 0
 
 
+@pytest.mark.chaos
 def test_a_failover_loses_no_acknowledged_enqueue_and_runs_each_job_once(
     topology: SentinelTopology, worker: WorkerProcess
 ) -> None:
