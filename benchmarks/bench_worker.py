@@ -193,17 +193,17 @@ def history_for(tokenizer: Any, target_tokens: int) -> list[dict[str, str]]:
 def first_turn(
     producer: Any, tokenizer: Any, target_tokens: int, settle_s: float
 ) -> tuple[str, list[dict[str, str]]]:
-    """A new agent's first turn (about `target_tokens` tokens), run: its id and its next turn's messages."""
+    """A new agent's first turn (about `target_tokens` tokens), run: its id and its next turn's messages
+    but the user's question."""
     agent = f"bench-{uuid.uuid4().hex[:8]}"
     turn1 = history_for(tokenizer, target_tokens)
     first = producer.submit({"agent_id": agent, "messages": turn1, "max_tokens": 16}).result(timeout=600)
     time.sleep(settle_s)
-    turn2 = [
-        *turn1,
-        {"role": "assistant", "content": first.text},
-        {"role": "user", "content": "And in winter?"},
-    ]
-    return agent, turn2
+    return agent, [*turn1, {"role": "assistant", "content": first.text}]
+
+
+def asking(messages: list[dict[str, str]], question: str) -> list[dict[str, str]]:
+    return [*messages, {"role": "user", "content": question}]
 
 
 def warm_vs_cold(
@@ -214,7 +214,8 @@ def warm_vs_cold(
     `settle_s` after turn 1 lets the store's write-behind reach the backend (a store read, not memory)."""
     warm, cold, loads, prompt_sizes, reused, warm_engine, cold_engine = [], [], [], [], [], [], []
     for _ in range(repeats):
-        agent, turn2 = first_turn(producer, tokenizer, target_tokens, settle_s)
+        agent, so_far = first_turn(producer, tokenizer, target_tokens, settle_s)
+        turn2 = asking(so_far, "And in winter?")
         warm_s, warm_result = first_token(producer, {"agent_id": agent, "messages": turn2, "max_tokens": 1})
         # Cold: the same prompt with no agent, so no store (another agent's shared prefix blocks would
         # otherwise warm-start a fresh agent).
@@ -337,15 +338,20 @@ def gap_ending_at(mates: list[Mate], moment: float) -> float:
     return statistics.median(gaps)
 
 
+#: One per join of an agent: each turn's question is new to its cache (a suffix of ~16 tokens).
+JOIN_QUESTIONS = ("And in winter?", "And in summer?", "And at night?", "And in spring?", "And in autumn?")
+
+
 def warm_join_once(
-    producer: Any, tokenizer: Any, target_tokens: int, seed: int, settle_s: float = 0.0
+    producer: Any, tokenizer: Any, agent: str, turn2: list[dict[str, str]], seed: int, settle_s: float
 ) -> dict[str, Any]:
-    """One join; `settle_s` after turn 1 lets a worker without a hot tier write its cache first."""
+    """The agent's turn `turn2` joining MATES decoding sequences; `settle_s` before it lets a worker
+    without a hot tier write the agent's cache first."""
     import random
 
     rng = random.Random(seed)
     eos = sorted(int(t) for t in tokenizer.eos_token_ids)
-    agent, turn2 = first_turn(producer, tokenizer, target_tokens, settle_s)
+    time.sleep(settle_s)
     mates = [Mate(producer, QUESTIONS[i], eos, 72) for i in range(MATES)]
     while min(len(m.arrivals) for m in mates) < 16:  # all eight decoding, past their own prefill
         time.sleep(0.01)
@@ -398,8 +404,10 @@ def warm_join(
     rows: dict[int, Any] = {}
     for n in contexts:
         runs = []
+        agent, so_far = first_turn(producer, tokenizer, n, settle_s)
         for r in range(repeats):
-            run = warm_join_once(producer, tokenizer, n, seed=r, settle_s=settle_s)
+            question = JOIN_QUESTIONS[r % len(JOIN_QUESTIONS)]
+            run = warm_join_once(producer, tokenizer, agent, asking(so_far, question), r, settle_s)
             steps = run["busy_step_s"]
             print(
                 f"join {n}: {run['prompt_tokens']} tokens ({run['reused_tokens']} reused): "
@@ -459,7 +467,58 @@ def print_joins(report: dict[str, Any]) -> None:
             )
 
 
-PARTS = ("throughput", "overhead", "warm", "floor", "join")
+def join_step_cost(contexts: tuple[int, ...], suffixes: tuple[int, ...], rounds: int) -> dict[str, Any]:
+    """The engine's share of a join, in this process (no worker): 8 rows decoding, then an agent with
+    n cached tokens and a suffix of s tokens joins; the CPU seconds (all threads: a loaded machine
+    blurs them less than wall time) of the step carrying the suffix, of the submit before it, and of
+    the step after, against the busy step just before, per (n, s). The batch's flat batch runs as 16
+    rows up to 16 tokens and 32 from 20 (engine/cpu/gemm_rows.py): 8 decoding rows leave room for 8
+    suffix tokens in a busy step's shape."""
+    from benchmarks.bench_engine import _NoEos, short_prompts, synthetic_cache_for
+    from engine.batch.engine import BlockPoolBatchEngine
+    from engine.core.params import SamplingParams
+    from engine.models.load import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    engine = BlockPoolBatchEngine(model, _NoEos(tokenizer), model_name="smollm2-135m", pool_mb=3000)
+    for prompt in short_prompts(tokenizer, MATES):
+        engine.submit(None, prompt, SamplingParams(max_tokens=4000))
+    while len(engine.step().deltas) < MATES:
+        pass
+
+    def cpu(fn: Any) -> tuple[float, Any]:
+        started = time.process_time()
+        value = fn()
+        return time.process_time() - started, value
+
+    rows: dict[str, Any] = {}
+    for n in contexts:
+        cache = synthetic_cache_for(model, n, 0)
+        for suffix in suffixes:
+            runs = []
+            for _ in range(rounds):
+                busy, _ = cpu(engine.step)
+                prompt = cache.token_ids + list(range(100, 100 + suffix))
+                submit, uid = cpu(
+                    lambda p=prompt, c=cache: engine.submit("a", p, SamplingParams(max_tokens=4), cache=c)
+                )
+                join, output = cpu(engine.step)
+                assert uid in {d.uid for d in output.deltas}, "the first token came with the join step"
+                after, _ = cpu(engine.step)
+                engine.cancel(uid)
+                runs.append((submit / busy, join / busy, after / busy))
+            rows[f"{n}+{suffix}"] = {
+                "submit": statistics.median(r[0] for r in runs),
+                "join_step": statistics.median(r[1] for r in runs),
+                "step_after": statistics.median(r[2] for r in runs),
+                "rounds": rounds,
+            }
+            print(f"join step cost {n}+{suffix}: {rows[f'{n}+{suffix}']}", flush=True)
+    engine.close()
+    return rows
+
+
+PARTS = ("throughput", "overhead", "warm", "floor", "join", "join_cost")
 
 
 def main() -> int:
@@ -479,11 +538,26 @@ def main() -> int:
     )
     parser.add_argument("--join-repeats", type=int, default=5, help="warm joins per history size")
     parser.add_argument(
+        "--join-stores", default="hot_tier,disk", help="where the joiner's cache comes from: hot_tier, disk"
+    )
+    parser.add_argument(
         "--floor-contexts", default="512,1024,2048,4096,8192", help="history sizes of the floor part"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "worker.json"))
     args = parser.parse_args()
     parts = {"join"} if args.warm_join else set(args.only or PARTS)
+    if "join_cost" in parts:
+        report_path = Path(args.out)
+        saved: dict[str, Any] = json.loads(report_path.read_text()) if report_path.exists() else {}
+        saved["join_step_cost"] = {
+            "load_average_at_start": os.getloadavg(),
+            "rows": join_step_cost((1024, 2048), (1, 8, 16, 24), 3 if args.quick else 5),
+            "load_average_at_end": os.getloadavg(),
+        }
+        report_path.write_text(json.dumps(saved, indent=2) + "\n")
+        parts.discard("join_cost")
+        if not parts:
+            return 0
     max_tokens = 24 if args.quick else 64
     repeats = 10 if args.quick else 40
     warm_repeats = 1 if args.quick else 3
@@ -528,9 +602,11 @@ def main() -> int:
             if "warm" in parts:
                 print("warm vs cold ...", flush=True)
                 hot = {n: warm_vs_cold(producer, tokenizer, n, warm_repeats)[0] for n in (1024, 2048)}
-            if "join" in parts:
+            joins: dict[str, Any] = {}
+            join_stores = args.join_stores.split(",")
+            if "join" in parts and "hot_tier" in join_stores:
                 print("warm join into 8 busy sequences (hot tier) ...", flush=True)
-                joins = {"hot_tier": warm_join(producer, tokenizer, (1024, 2048), args.join_repeats)}
+                joins["hot_tier"] = warm_join(producer, tokenizer, (1024, 2048), args.join_repeats)
             if "floor" in parts:
                 contexts = tuple(int(n) for n in args.floor_contexts.split(","))
                 report["floor"] = floor(producer, model, tokenizer, workdir, contexts)
@@ -551,12 +627,13 @@ def main() -> int:
                     for n in (1024, 2048)
                 }
             report["warm_vs_cold"] = {"hot_tier": hot, "disk": disk, "redis": from_redis}
-        if "join" in parts:
+        if "join" in parts and "disk" in join_stores:
             print("warm join into 8 busy sequences (hot tier off: caches read from disk) ...", flush=True)
             disk_env = {**env, "KVRQ_STORE_HOT_MB": "0"}
             with worker_process(url, store=f"disk:{workdir / 'cache-join'}", env=disk_env):
                 through_worker(producer, requests[:2])  # warm-up
                 joins["disk"] = warm_join(producer, tokenizer, (1024, 2048), args.join_repeats, settle_s=2.0)
+        if joins:
             report["warm_join"] = joins
     if "throughput" in parts:
         print("sequential mlx_lm.generate ...", flush=True)
