@@ -14,8 +14,8 @@ enqueue refused past the producer's 30 s budget is sent again under the same job
 - never a wrong cache: the answer of every turn in flight across the switch and of each agent's first
   turn sent after it equals the same history run alone without any cache (greedy).
 This supersedes test_sentinel_failover.py's one-worker round (an enqueue stream, no agents). The default
-suite runs one round with two workers (four workers cost another ~40 s of model loads here); `-m chaos`
-runs 20 rounds with four, a fresh set of agents each round.
+suite runs one round with two workers (four would add two model loads and warm-ups to its cost);
+`-m chaos` runs 20 rounds with four, a fresh set of agents each round.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _number(turn: Turn) -> int:
     return turn.number
 
 
-@pytest.mark.timeout(1200)  # ~70 s on a quiet 2-core machine; a loaded one (load 15) took ~10 min
+@pytest.mark.timeout(1200)  # 564 s on this 2-core machine at load average 15-19 (other jobs)
 def test_a_queue_failover_under_a_fleet_loses_nothing_and_serves_no_wrong_cache(fleet: Fleet) -> None:
     with Producer(fleet.topology.url) as producer:
         checked = failover_round(fleet, producer, 0, agents=4)
