@@ -338,8 +338,14 @@ def gap_ending_at(mates: list[Mate], moment: float) -> float:
     return statistics.median(gaps)
 
 
-#: One per join of an agent: each turn's question is new to its cache (a suffix of ~16 tokens).
-JOIN_QUESTIONS = ("And in winter?", "And in summer?", "And at night?", "And in spring?", "And in autumn?")
+#: One per join of an agent, each from its first word new to the agent's cache (a suffix of 12-16 tokens).
+JOIN_QUESTIONS = (
+    "And in winter?",
+    "Who runs the station?",
+    "What do the boats measure?",
+    "When was the oldest boat built?",
+    "Where do the readings go?",
+)
 
 
 def warm_join_once(
