@@ -1,6 +1,6 @@
 """Engine benchmarks: block gather/extract vs memcpy, pool alloc/free, engine vs raw BatchGenerator.
 
-Run: python benchmarks/bench_engine.py [--quick] [--only blocks|throughput|joins|finish]
+Run: python benchmarks/bench_engine.py [--quick] [--only blocks|throughput|joins|joins-families|finish|rows]
 (re-execs itself with OpenBLAS on Linux)
 Writes benchmarks/results/engine.json and prints markdown tables.
 """
@@ -228,21 +228,41 @@ class _NoEos:
         return getattr(self._tokenizer, name)
 
 
-def synthetic_cache(spec: Any, n_tokens: int, seed: int) -> Any:
-    """An agent cache of n_tokens with random K/V: timing depends on sizes, not on values."""
+def synthetic_cache(spec: Any, n_tokens: int, seed: int, model: Any = None) -> Any:
+    """An agent cache of n_tokens with random K/V (and random SSM state, for a model with state
+    layers: pass it): timing depends on sizes, not on values (a sliding layer's blocks keep its
+    window of them, a state layer the checkpoint at the end, as a real cache's would)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, make_prompt_cache
 
+    from engine.kv.buffers import MLX_DTYPE
     from engine.kv.convert import caches_to_blocks
 
     mx.random.seed(seed)
-    layers = []
-    for _ in range(spec.n_layers):
+    kv_specs, state_specs = iter(spec.kv_layers()), iter(spec.state_layers())
+
+    def filled(cache: Any) -> Any:
+        if isinstance(cache, CacheList):
+            return CacheList(*(filled(member) for member in cache.caches))
+        if isinstance(cache, ArraysCache):
+            state = next(state_specs)
+            arrays: list[Any] = [
+                mx.random.normal((1, *shape)).astype(MLX_DTYPE[dtype]) * 0.1
+                for shape, dtype in zip(state.shapes, state.dtypes, strict=True)
+            ]
+            mx.eval(arrays)
+            cache.cache = arrays
+            return cache
+        kv = next(kv_specs)
         layer = KVCache()
-        shape = (1, spec.n_kv_heads, n_tokens, spec.k_head_dim)
-        layer.state = (mx.random.normal(shape) * 0.5, mx.random.normal(shape) * 0.5, n_tokens)
-        layers.append(layer)
+        shape = (1, kv.n_kv_heads, n_tokens, kv.k_head_dim)
+        value_shape = (1, kv.n_kv_heads, n_tokens, kv.v_head_dim)
+        layer.state = (mx.random.normal(shape) * 0.5, mx.random.normal(value_shape) * 0.5, n_tokens)
         mx.eval(layer.state[:2])
+        return layer
+
+    structure = make_prompt_cache(model) if model is not None else [KVCache() for _ in spec.kv_layers()]
+    layers = [filled(cache) for cache in structure]
     tokens = [(1000 + 37 * i) % 40000 + 100 for i in range(n_tokens)]
     return caches_to_blocks(layers, tokens, spec)
 
@@ -259,17 +279,83 @@ def short_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     ]
 
 
-def bench_joins(joins: list[tuple[int, ...]], n_short: int, window: int) -> list[dict[str, Any]]:
+# A Gemma-3-shaped model at SmolLM2's scale (random weights: no Gemma weights can be downloaded
+# here): Gemma 3's layer pattern (5 sliding layers of window 512, then a global one, as Gemma-3-1B),
+# one KV head of head dim 128, SmolLM2's hidden size, MLP width and vocabulary (its tokenizer drives it).
+GEMMA3_SHAPED: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "hidden_size": 576,
+    "num_hidden_layers": 24,
+    "intermediate_size": 1536,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "query_pre_attn_scalar": 128,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-6,
+}
+
+
+# A Qwen3-Next-shaped hybrid at SmolLM2's scale (random weights): 3 of every 4 layers Gated DeltaNet
+# linear attention (fixed-size state per row), every 4th full attention, mixture-of-experts MLPs.
+QWEN3_NEXT_SHAPED: dict[str, Any] = {
+    "model_type": "qwen3_next",
+    "hidden_size": 576,
+    "num_hidden_layers": 24,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "full_attention_interval": 4,
+    "linear_num_value_heads": 8,
+    "linear_num_key_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 512,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 512,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "max_position_embeddings": 8192,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-6,
+}
+SHAPED = {"gemma3-shaped": GEMMA3_SHAPED, "qwen3_next-shaped": QWEN3_NEXT_SHAPED}
+
+
+def shaped_model(config: dict[str, Any]) -> Any:
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def bench_joins(
+    joins: list[tuple[int, ...]], n_short: int, window: int, family: str = "smollm2-135m"
+) -> list[dict[str, Any]]:
     """n_short sequences decoding, then agents with cached KV (and a 17-token suffix) join.
 
     The engine (ragged batch) and raw mlx-lm BatchGenerator run side by side, one step each
     in turn, so the machine's noise hits both alike. Per side: the batch's median step
     without the joiners (before they join and after they are removed), the median step
     with them, and how many steps / how long until each joiner's first token (also in units
-    of the median step without them)."""
+    of the median step without them). `family`: the builtin SmolLM2, or one of SHAPED (random
+    weights, SmolLM2's tokenizer)."""
     from engine.models.load import load_model
 
     model, tokenizer = load_model("smollm2-135m")
+    if family in SHAPED:
+        model = shaped_model(SHAPED[family])
     no_eos = _NoEos(tokenizer)
     shorts = short_prompts(tokenizer, n_short)
     suffix = list(tokenizer.encode(" And now, please continue the story where we left it."))[:17]
@@ -279,9 +365,9 @@ def bench_joins(joins: list[tuple[int, ...]], n_short: int, window: int) -> list
     rows = []
     for sizes in joins:
         sizes = tuple(min(n, context - len(suffix) - join_params.max_tokens) for n in sizes)
-        caches = [synthetic_cache_for(model, size, seed) for seed, size in enumerate(sizes)]
+        caches = [synthetic_cache_for(model, size, seed, family) for seed, size in enumerate(sizes)]
         drivers: dict[str, _EngineDriver | _RawDriver] = {
-            "engine": _EngineDriver(model, no_eos, shorts, suffix, params, join_params),
+            "engine": _EngineDriver(model, no_eos, shorts, suffix, params, join_params, family),
             "raw": _RawDriver(model, shorts, suffix, params.max_tokens, join_params.max_tokens),
         }
         for driver in drivers.values():
@@ -314,8 +400,8 @@ def bench_joins(joins: list[tuple[int, ...]], n_short: int, window: int) -> list
             for uid in joined[kind]:
                 driver.remove(uid)
         window_of(without)
-        solo = solo_first_token_s(model, no_eos, caches, suffix, join_params)
-        row: dict[str, Any] = {"joiners": "+".join(str(n) for n in sizes)}
+        solo = solo_first_token_s(model, no_eos, caches, suffix, join_params, family)
+        row: dict[str, Any] = {"model": family, "joiners": "+".join(str(n) for n in sizes)}
         for kind, driver in drivers.items():
             driver.close()
             base = statistics.median(without[kind])
@@ -334,14 +420,63 @@ def bench_joins(joins: list[tuple[int, ...]], n_short: int, window: int) -> list
     return rows
 
 
+def bench_join_twins(family: str, n_short: int, size: int, rounds: int) -> dict[str, Any]:
+    """The same tax as bench_joins measures, robust to a busy machine: per backend two twin batches of
+    n_short decoding rows, one joined by a `size`-token agent, stepped in turn (ABBA) in the same
+    minutes, so that load that comes and goes hits both alike. Ratio = the joined twin's median step /
+    the other's; engine_vs_raw = the engine's joined step / BatchGenerator's."""
+    from engine.models.load import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    if family in SHAPED:
+        model = shaped_model(SHAPED[family])
+    no_eos = _NoEos(tokenizer)
+    shorts = short_prompts(tokenizer, n_short)
+    suffix = list(tokenizer.encode(" And now, please continue the story where we left it."))[:17]
+    params = SamplingParams(max_tokens=1000, stop_tokens=())
+    join_params = SamplingParams(max_tokens=1000, stop_tokens=())
+    cache = synthetic_cache_for(model, size, 0, family)
+    twins: dict[str, list[_EngineDriver | _RawDriver]] = {
+        "engine": [
+            _EngineDriver(model, no_eos, shorts, suffix, params, join_params, family) for _ in range(2)
+        ],
+        "raw": [
+            _RawDriver(model, shorts, suffix, params.max_tokens, join_params.max_tokens) for _ in range(2)
+        ],
+    }
+    for pair in twins.values():
+        for driver in pair:
+            while len(driver.step()) < n_short:
+                pass
+        joiner = pair[1].join(cache)
+        while joiner not in pair[1].step():
+            pass
+    times: dict[str, list[list[float]]] = {kind: [[], []] for kind in twins}
+    for r in range(rounds):
+        for kind, pair in twins.items():
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                times[kind][i] += timed(pair[i].step, 1)
+    row: dict[str, Any] = {"model": family, "joiner": size}
+    for kind, pair in twins.items():
+        base, joined = (statistics.median(t) for t in times[kind])
+        row[f"{kind}_step_ms"] = ms(base)
+        row[f"{kind}_step_ms_joined"] = ms(joined)
+        row[f"{kind}_ratio"] = round(joined / base, 2)
+        for driver in pair:
+            driver.close()
+    row["engine_vs_raw_joined"] = round(row["engine_step_ms_joined"] / row["raw_step_ms_joined"], 2)
+    print(row, flush=True)
+    return row
+
+
 def solo_first_token_s(
-    model: Any, tokenizer: Any, caches: list[Any], suffix: list[int], params: Any
+    model: Any, tokenizer: Any, caches: list[Any], suffix: list[int], params: Any, name: str
 ) -> float:
     """Seconds from submit to the first token of `caches` (+ `suffix`) on an engine running nothing else,
     median of 3 (the first, which pays fresh buffers, is dropped)."""
     from engine.batch.engine import BlockPoolBatchEngine
 
-    engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", pool_mb=6000)
+    engine = BlockPoolBatchEngine(model, tokenizer, model_name=name, pool_mb=6000)
     times = []
     for _ in range(4):
         started = time.perf_counter()
@@ -365,10 +500,13 @@ class _EngineDriver:
         suffix: list[int],
         params: Any,
         join_params: Any,
+        name: str,
     ) -> None:
         from engine.batch.engine import BlockPoolBatchEngine
 
-        self.engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", pool_mb=6000)
+        self.engine = BlockPoolBatchEngine(model, tokenizer, model_name=name, pool_mb=6000)
+        if not self.engine.ragged:
+            raise RuntimeError(f"{name} does not run on the ragged batch")
         self.suffix, self.join_params = suffix, join_params
         for p in shorts:
             self.engine.submit(None, p, params)
@@ -425,10 +563,10 @@ class _RawDriver:
         self.generator.close()
 
 
-def synthetic_cache_for(model: Any, n_tokens: int, seed: int) -> Any:
+def synthetic_cache_for(model: Any, n_tokens: int, seed: int, name: str = "smollm2-135m") -> Any:
     from engine.models.cache_layout import spec_from_model
 
-    return synthetic_cache(spec_from_model(model, "smollm2-135m"), n_tokens, seed)
+    return synthetic_cache(spec_from_model(model, name), n_tokens, seed, model)
 
 
 def bench_finish_burst(n_rows: int, n_tokens: int, max_tokens: int, n_running: int = 4) -> dict[str, Any]:
@@ -568,7 +706,7 @@ def main() -> None:
     ensure_fast_blas()
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats, fewer tokens")
-    parts = ("blocks", "throughput", "joins", "finish", "rows")
+    parts = ("blocks", "throughput", "joins", "joins-families", "finish", "rows")
     parser.add_argument("--only", choices=parts, action="append", help="run only these parts")
     args = parser.parse_args()
     only = set(args.only or parts)
@@ -586,6 +724,17 @@ def main() -> None:
         joins = [(1024,), (2048,), (4096,), (8192,), (2048, 4096)]
         results["joins"] = bench_joins(joins, n_short=8, window=5 if args.quick else 8)
         print(table(results["joins"]), flush=True)
+    if "joins-families" in only:
+        # A 2K agent joining 8 decoding rows, per model family on the ragged batch, SmolLM2 as the
+        # reference in the same run: before/after the join, then twin batches stepped in turn.
+        rows = []
+        for family in ("smollm2-135m", *SHAPED):
+            rows += bench_joins([(2048,)], n_short=8, window=5 if args.quick else 8, family=family)
+        results["joins_families"] = rows
+        print(table(rows), flush=True)
+        twins = [bench_join_twins(f, 8, 2048, 10 if args.quick else 24) for f in ("smollm2-135m", *SHAPED)]
+        results["joins_families_twins"] = twins
+        print(table(twins), flush=True)
     if "finish" in only:
         results["finish_burst"] = bench_finish_burst(8, 2048, 6)
         print(table([results["finish_burst"]]), flush=True)
