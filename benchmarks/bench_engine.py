@@ -340,6 +340,19 @@ def shaped_model(config: dict[str, Any]) -> Any:
     return model
 
 
+def join_setup(family: str, n_short: int) -> tuple[Any, Any, list[list[int]], list[int]]:
+    """The model (SmolLM2 or one of SHAPED), its tokenizer without EOS, n_short chat prompts and the
+    joiner's 17-token suffix."""
+    from engine.models.load import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    if family in SHAPED:
+        model = shaped_model(SHAPED[family])
+    shorts = short_prompts(tokenizer, n_short)
+    suffix = list(tokenizer.encode(" And now, please continue the story where we left it."))[:17]
+    return model, _NoEos(tokenizer), shorts, suffix
+
+
 def bench_joins(
     joins: list[tuple[int, ...]], n_short: int, window: int, family: str = "smollm2-135m"
 ) -> list[dict[str, Any]]:
@@ -351,14 +364,7 @@ def bench_joins(
     with them, and how many steps / how long until each joiner's first token (also in units
     of the median step without them). `family`: the builtin SmolLM2, or one of SHAPED (random
     weights, SmolLM2's tokenizer)."""
-    from engine.models.load import load_model
-
-    model, tokenizer = load_model("smollm2-135m")
-    if family in SHAPED:
-        model = shaped_model(SHAPED[family])
-    no_eos = _NoEos(tokenizer)
-    shorts = short_prompts(tokenizer, n_short)
-    suffix = list(tokenizer.encode(" And now, please continue the story where we left it."))[:17]
+    model, no_eos, shorts, suffix = join_setup(family, n_short)
     params = SamplingParams(max_tokens=1000, stop_tokens=())
     join_params = SamplingParams(max_tokens=100, stop_tokens=())
     context = 8192  # SmolLM2's: the largest joiner is cut to fit its suffix and output
@@ -425,14 +431,7 @@ def bench_join_twins(family: str, n_short: int, size: int, rounds: int) -> dict[
     n_short decoding rows, one joined by a `size`-token agent, stepped in turn (ABBA) in the same
     minutes, so that load that comes and goes hits both alike. Ratio = the joined twin's median step /
     the other's; engine_vs_raw = the engine's joined step / BatchGenerator's."""
-    from engine.models.load import load_model
-
-    model, tokenizer = load_model("smollm2-135m")
-    if family in SHAPED:
-        model = shaped_model(SHAPED[family])
-    no_eos = _NoEos(tokenizer)
-    shorts = short_prompts(tokenizer, n_short)
-    suffix = list(tokenizer.encode(" And now, please continue the story where we left it."))[:17]
+    model, no_eos, shorts, suffix = join_setup(family, n_short)
     params = SamplingParams(max_tokens=1000, stop_tokens=())
     join_params = SamplingParams(max_tokens=1000, stop_tokens=())
     cache = synthetic_cache_for(model, size, 0, family)
