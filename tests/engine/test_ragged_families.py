@@ -171,15 +171,32 @@ def test_kv_bits_is_refused_for_per_layer_shapes_state_and_latent_mla(arch: str,
         make_engine(tiny_model(arch, **QUANTIZABLE[arch]), arch, kv_bits=8, kv_group_size=32)
 
 
-def test_deepseek_v2_runs_with_kv_bits_8_and_agrees_with_unquantized() -> None:
-    """MLA expanded to heads is plain attention with K dim != V dim: quantized rows take it (q8 keeps
-    these two prompts' greedy tokens; q4 on this tiny random model does not, and is not asserted)."""
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "deepseek_v2",
+        "phi3",
+        pytest.param(
+            "qwen3_moe",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="q8 K/V flips this tiny random MoE's greedy choice at the 5th token generated "
+                "for the 40-token prompt (lossy, as Q8_FLIPS in test_families.py): it runs with "
+                "kv_bits, its tokens differ",
+            ),
+        ),
+    ],
+)
+def test_full_attention_families_run_with_kv_bits_8_and_agree_with_unquantized(arch: str) -> None:
+    """Moved families whose layers are all full attention of one shape take kv_bits (deepseek_v2's MLA
+    expanded to heads too, K dim != V dim): q8 keeps these two prompts' greedy tokens (q4 on these tiny
+    random models does not, and is not asserted)."""
     from tests.engine.tiny import QUANTIZABLE
 
-    model = tiny_model("deepseek_v2", **QUANTIZABLE["deepseek_v2"])
+    model = tiny_model(arch, **QUANTIZABLE[arch])
     outputs = []
     for bits in (None, 8):
-        engine = make_engine(model, "deepseek_v2", kv_bits=bits, kv_group_size=32 if bits else None)
+        engine = make_engine(model, arch, kv_bits=bits, kv_group_size=32 if bits else None)
         try:
             assert engine.ragged
             prompts = [prompt_of(40, salt=1), prompt_of(300, salt=2)]
