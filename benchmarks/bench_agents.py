@@ -61,8 +61,9 @@ the comparison an OpenAI client sees.
 restart (`--restart`): the kvrq side's workload on a warm worker, then the worker is stopped (SIGTERM,
 graceful) and a fresh `kvrq worker` process starts on the same disk store; once it has registered, every
 agent takes one more turn at once. Reported: that turn's first token p50 / p90 against the warm worker's
-later-turn p50 in the same run (target: p50 within 1.5x). restart-nowarmup: the same with the fresh
-worker's engine warm-up off (KVRQ_WARMUP=0), to show what the warm-up buys.
+later-turn p50 in the same run (target: p50 within 1.5x), and against a turn every agent took at once on
+the warm worker just before the restart (the same burst without the restart). restart-nowarmup: the same
+with the fresh worker's engine warm-up off (KVRQ_WARMUP=0), to show what the warm-up buys.
 
 Every run starts fresh processes on every side (empty caches); the order of the sides alternates
 between runs. Writes benchmarks/results/agents.json.
@@ -299,6 +300,8 @@ def run_restart(args: argparse.Namespace, *, warmup: bool) -> tuple[float, list[
                 ask = kvrq_asker(producer, args.max_tokens, job_timeout=3600)
                 chats: dict[int, list[Message]] = {}
                 wall, rows = drive(ask, args.agents, args.turns, chats)
+                _, burst = drive(ask, args.agents, 1, chats)  # all at once on the warm worker: the reference
+                rows += [{**row, "warm_burst": True} for row in burst]
                 stopping = time.perf_counter()
                 code = before.terminate()
                 stopped = time.perf_counter()
@@ -323,7 +326,9 @@ def restart_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     restarted = [r for r in rows if r.get("after_restart")]
     if not restarted:
         return None
-    warm = [r["ttft_s"] for r in rows if r["turn"] >= 2 and not r.get("after_restart") and r["ttft_s"]]
+    warm = [r["ttft_s"] for r in rows if r["turn"] >= 2 and not _special(r) and r["ttft_s"]]
+    bursts = [r["ttft_s"] for r in rows if r.get("warm_burst") and r["ttft_s"]]
+    burst_p50 = statistics.median(bursts) if bursts else None
     ttft = [r["ttft_s"] for r in restarted if r["ttft_s"] is not None]
     warm_p50 = statistics.median(warm) if warm else None
     p50, p90 = (statistics.median(ttft), percentile(ttft, 0.9)) if ttft else (None, None)
@@ -333,13 +338,19 @@ def restart_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         "warm_later_ttft_p50_s": warm_p50,
         "ratio_p50": round(p50 / warm_p50, 2) if p50 and warm_p50 else None,
         "ratio_p90": round(p90 / warm_p50, 2) if p90 and warm_p50 else None,
+        "warm_burst_ttft_p50_s": burst_p50,
+        "ratio_p50_to_warm_burst": round(p50 / burst_p50, 2) if p50 and burst_p50 else None,
         "reused_share": sum(r["reused_tokens"] for r in restarted)
         / max(1, sum(r["prompt_tokens"] for r in restarted)),
         "worker_median_s": worker_medians(restarted),
-        "warm_worker_median_s": worker_medians(
-            [r for r in rows if r["turn"] >= 2 and not r.get("after_restart")]
-        ),
+        "warm_worker_median_s": worker_medians([r for r in rows if r["turn"] >= 2 and not _special(r)]),
+        "warm_burst_worker_median_s": worker_medians([r for r in rows if r.get("warm_burst")]),
     }
+
+
+def _special(row: dict[str, Any]) -> bool:
+    """The restart side's all-at-once turns (not later turns of the ordinary workload)."""
+    return bool(row.get("after_restart") or row.get("warm_burst"))
 
 
 # ---- mlx_lm.server ---------------------------------------------------------------------------
@@ -529,7 +540,7 @@ def side_summary(
     side: str, run: int, wall: float, rows: list[dict[str, Any]], load: list[Any]
 ) -> dict[str, Any]:
     first = [r["ttft_s"] for r in rows if r["turn"] == 1 and r["ttft_s"] is not None]
-    later_rows = [r for r in rows if r["turn"] >= 2 and not r.get("after_restart")]
+    later_rows = [r for r in rows if r["turn"] >= 2 and not _special(r)]
     later = [r["ttft_s"] for r in later_rows if r["ttft_s"] is not None]
     return {
         "side": side,
@@ -659,15 +670,17 @@ def print_restarts(runs: list[dict[str, Any]]) -> None:
         return
     print(
         "\n| run | side | restart TTFT p50 / p90 s | warm later-turn TTFT p50 s | ratio p50 / p90 "
-        "| reused after restart | worker: cache load / engine TTFT p50 s (restart; warm) |"
+        "| warm burst TTFT p50 s (ratio) | reused after restart "
+        "| worker: cache load / engine TTFT p50 s (restart; warm) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in restarted:
         x = r["restart"]
         mine, warm = x["worker_median_s"] or {}, x["warm_worker_median_s"] or {}
         print(
             f"| {r['run']} | {r['side']} | {fmt(x['ttft_p50_s'])} / {fmt(x['ttft_p90_s'])} "
             f"| {fmt(x['warm_later_ttft_p50_s'])} | {fmt(x['ratio_p50'])} / {fmt(x['ratio_p90'])} "
+            f"| {fmt(x.get('warm_burst_ttft_p50_s'))} ({fmt(x.get('ratio_p50_to_warm_burst'))}) "
             f"| {x['reused_share']:.0%} | {split(mine)}; {split(warm)} |"
         )
 
