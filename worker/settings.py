@@ -24,7 +24,8 @@ class WorkerSettings(BaseSettings):
     )
     model: str = Field(default="smollm2-135m", description="builtin model name, mlx-lm model id or path")
     store: str = Field(
-        default="disk:.kvrq/cache", description="agent cache store: disk:PATH, redis or redis://..."
+        default="disk:.kvrq/cache",
+        description="agent cache store: disk:PATH, redis, redis://... or shards:URL|URL|...",
     )
     store_quantization: Literal["none", "q8", "q4"] = Field(
         default="none", description="KV quantization at rest"

@@ -31,7 +31,10 @@ def add_cache_commands(commands: argparse._SubParsersAction) -> None:
         "store's budget (store_max_mb) or TTL; delete removes an agent's blocks and leaves shared "
         "prefix blocks to the other agents that use them.",
     )
-    cache.add_argument("--store", help="disk:PATH, redis (KVRQ_REDIS_URL's) or redis://... [$KVRQ_STORE]")
+    cache.add_argument(
+        "--store",
+        help="disk:PATH, redis (KVRQ_REDIS_URL's), redis://... or shards:URL|URL|... [$KVRQ_STORE]",
+    )
     actions = cache.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
     listing = actions.add_parser(
@@ -57,6 +60,8 @@ def add_cache_commands(commands: argparse._SubParsersAction) -> None:
 def run_cache_command(
     args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None
 ) -> int:
+    from redis.exceptions import RedisError
+
     from producer.redis_url import connect
     from store.agent_ids import InvalidAgentIdError
     from store.errors import StoreError
@@ -77,6 +82,9 @@ def run_cache_command(
     except InvalidAgentIdError as exc:
         print(f"kvrq cache: {exc}", file=err)
         return EXIT_USAGE
+    except (StoreError, RedisError) as exc:  # a Redis (or one shard of a sharded store) went away
+        print(f"kvrq cache: the store did not answer: {exc}", file=err)
+        return EXIT_FAILED
     finally:
         store.close()
 

@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", help="builtin model name, mlx-lm model id or path [smollm2-135m]")
     worker.add_argument("--redis", dest="redis_url", help=f"Redis URL [{DEFAULT_REDIS_URL}]")
     worker.add_argument(
-        "--store", help="agent cache store: disk:PATH, redis (the queue's) or redis://... [disk:.kvrq/cache]"
+        "--store",
+        help="agent cache store: disk:PATH, redis (the queue's), redis://... or shards:URL|URL|... "
+        "(docs/scale-out.md) [disk:.kvrq/cache]",
     )
     worker.add_argument("--store-quantization", choices=("none", "q8", "q4"), help="KV quantization at rest")
     worker.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 import time
@@ -139,3 +140,14 @@ def test_kvrq_cache_imports_no_mlx(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "no agent caches\n"
+
+
+def test_a_shard_that_went_away_is_an_error_line_not_a_traceback(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        gone = f"redis://127.0.0.1:{probe.getsockname()[1]}/0"
+    code, out, err = cache(f"shards:{redis_url}|{gone}", "list", capsys=capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("kvrq cache: the store did not answer:") and "Traceback" not in err
