@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer.client import JobHandle, Producer
 from producer.conversation import read_record
 from producer.models import GenerationResult
+from producer.protocol import CACHE_HITS_FIELD, CACHE_LOOKUPS_FIELD
 from tests.worker.chaos_checks import deliveries, summary
+from tests.worker.procs import WorkerProcess
 from tests.worker.reference import reference_results
 
 # Over one 256-token block, so a resumed turn reuses whole blocks from the store, not only a hot tier.
@@ -168,3 +172,13 @@ def wrong_answers(turns: list[Turn]) -> list[tuple[str, int]]:
         for turn, want in zip(turns, expected, strict=True)
         if (turn.result.text, turn.result.token_ids) != (want["text"], want["token_ids"])
     ]
+
+
+def counted_misses(connection: Redis, workers: Sequence[WorkerProcess]) -> int:
+    """Agent cache lookups that found nothing, over `workers` (their heartbeat's counters)."""
+    total = 0
+    for worker in workers:
+        fields: Any = connection.hgetall(f"rq:worker:{worker.name}")
+        lookups = int(fields.get(CACHE_LOOKUPS_FIELD.encode(), 0))
+        total += lookups - int(fields.get(CACHE_HITS_FIELD.encode(), 0))
+    return total

@@ -24,15 +24,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 from redis import Redis
 from rq.job import Job
 
 from producer.client import Producer
-from producer.protocol import CACHE_HITS_FIELD, CACHE_LOOKUPS_FIELD
-from tests.fleet.agents import AgentLoad, Turn, wrong_answers
+from tests.fleet.agents import AgentLoad, Turn, counted_misses, wrong_answers
 from tests.fleet.sentinel import SentinelTopology
 from tests.worker.procs import WorkerProcess
 
@@ -68,14 +66,7 @@ class Fleet:
             assert not worker.exited(), worker.log()[-4000:]
 
     def counted_misses(self, connection: Redis) -> int:
-        """Agent cache lookups that found nothing, over every worker (their heartbeat's counters)."""
-        total = 0
-        for worker in self.workers:
-            fields: Any = connection.hgetall(f"rq:worker:{worker.name}")
-            total += int(fields.get(CACHE_LOOKUPS_FIELD.encode(), 0)) - int(
-                fields.get(CACHE_HITS_FIELD.encode(), 0)
-            )
-        return total
+        return counted_misses(connection, self.workers)
 
 
 @pytest.fixture

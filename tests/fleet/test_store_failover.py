@@ -27,9 +27,9 @@ from redis import Redis
 
 from producer.client import JobHandle, Producer
 from producer.models import GenerationResult
-from producer.protocol import CACHE_HITS_FIELD, CACHE_LOOKUPS_FIELD
 from store.sharded import agent_route_key, pick
 from tests.conftest import RedisServer
+from tests.fleet.agents import counted_misses
 from tests.fleet.sentinel import SentinelTopology, wait_until
 from tests.worker.chaos_checks import deliveries, summary
 from tests.worker.procs import WorkerProcess
@@ -111,14 +111,7 @@ class Fleet:
         self.queue.stop(kill=True)
 
     def cache_misses(self, connection: Redis) -> int:
-        """Agent cache lookups that found nothing, over every worker (their heartbeat's counters)."""
-        total = 0
-        for worker in self.workers:
-            fields: Any = connection.hgetall(f"rq:worker:{worker.name}")
-            total += int(fields.get(CACHE_LOOKUPS_FIELD.encode(), 0)) - int(
-                fields.get(CACHE_HITS_FIELD.encode(), 0)
-            )
-        return total
+        return counted_misses(connection, self.workers)
 
     def assert_alive(self) -> None:
         for worker in self.workers:
