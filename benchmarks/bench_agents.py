@@ -163,6 +163,8 @@ class Answer:
     reused_tokens: int
     # kvrq only, the worker's own view (producer.models.Timings): where a first token's time went
     worker: dict[str, float | None] | None = None
+    # kvrq only: the job's milestones (worker/timeline.py), unix seconds and engine steps
+    timeline: dict[str, float] | None = None
 
 
 Ask = Callable[[int, list[Message]], Answer]
@@ -269,7 +271,10 @@ def kvrq_asker(
             "engine_ttft_s": timings.engine_time_to_first_token_s,
             "ttft_s": timings.time_to_first_token_s,
         }
-        return Answer("".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens, worker_view)
+        timeline = handle.meta().get("progress", {}).get("timeline")
+        return Answer(
+            "".join(parts), first, total, usage.prompt_tokens, usage.reused_tokens, worker_view, timeline
+        )
 
     return ask
 

@@ -410,6 +410,8 @@ class WorkerLoop:
         self.publisher.progress(job, phase="waiting", worker=self.worker.name, prompt_tokens=len(tokens))
         held.timeline.update(enqueued=enqueued, dequeued=dequeued, dequeued_step=self.steps)
         mark(held, "held", self.steps)
+        if tokens:  # its KV buffers, made while it waits for its turn and cache (engine.reserve)
+            self.engine.reserve(len(tokens), held.sampling.max_tokens)
 
     # ---- admission ---------------------------------------------------------------------
 
@@ -517,6 +519,7 @@ class WorkerLoop:
         held.stored_messages = len(request.messages or ()) - len(held.request.messages or ())
         held.request, held.prompt_tokens, held.output = request, tokens, output
         held.sampling = stop_after_one_call(sampling, output, request)
+        self.engine.reserve(len(tokens), held.sampling.max_tokens)
         cache = conversations.reusable_part(source, tokens)
         if self.recent is not None:  # a new agent (a response's first turn) starts from a recent prefix
             recent = self.recent.longest(tokens, self._tenant(held))

@@ -5,6 +5,7 @@ The loop is written against these, so unit tests can drive it with a small fake 
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from engine.core.params import SamplingParams
     from engine.core.results import Completion, StepOutput
     from engine.core.spec import ModelCacheSpec
+    from store.base import CacheInfo
 
 
 class Engine(Protocol):
@@ -30,6 +32,14 @@ class Engine(Protocol):
         ...
 
     def free_slots(self) -> int: ...
+
+    def reserve(self, n_prompt_tokens: int, max_tokens: int) -> bool:
+        """Start making a sequence's KV buffers off the step thread (an optimisation only)."""
+        ...
+
+    def keep_ready(self, n_tokens: Sequence[int]) -> int:
+        """Make idle KV buffers for sequences of these lengths now (a fresh worker's warm-up)."""
+        ...
 
     def submit(
         self,
@@ -92,6 +102,14 @@ class Store(Protocol):
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges (hot_hits, hot_misses, hits, hot_entries, ...), for status and metrics."""
+        ...
+
+    def list(self) -> builtins.list[str]:
+        """The agents it holds a cache for."""
+        ...
+
+    def info(self, agent_id: str) -> CacheInfo | None:
+        """One agent's cache: length, size, last use (None: none held)."""
         ...
 
     def close(self) -> None: ...

@@ -17,7 +17,7 @@ from worker.loop import REDIS_DOWN, WorkerLoop
 from worker.memory import return_large_frees_to_the_os
 from worker.rqexec import KvrqWorker
 from worker.settings import WorkerSettings
-from worker.warmup import warm_up
+from worker.warmup import keep_buffers_for_returning_agents, warm_up
 
 log = logging.getLogger("kvrq.worker")
 MiB = 1024 * 1024
@@ -75,6 +75,7 @@ def serve(settings: WorkerSettings) -> int:
     )
     if settings.warmup:
         warm_up(engine)
+        keep_buffers_for_returning_agents(engine, store, settings.max_batch)
     connection = wait_for_redis(settings.redis_url)
     rq_worker = KvrqWorker(
         settings.queue_names,

@@ -13,6 +13,7 @@ and, for a finished sequence, its per-layer KV and the tokens that KV covers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -88,6 +89,14 @@ class Backend(Protocol):
         None) asks for each token's log probability and that many best tokens of its step."""
         ...
 
+    def reserve(self, n_prompt_tokens: int, max_tokens: int) -> bool:
+        """Start making a sequence's KV buffers ahead, off the step thread: True if started."""
+        ...
+
+    def stock(self, n_tokens: Sequence[int]) -> int:
+        """Make idle KV buffers for sequences of these lengths now (waits): how many were made."""
+        ...
+
     def step(self) -> list[GeneratedToken]: ...
 
     def finish(self, uid: int, want_kv: bool) -> FinishedKV | None:
@@ -142,8 +151,7 @@ class RaggedBackend:
         processors: list[LogitsProcessor] | None = None,
         top_logprobs: int | None = None,
     ) -> int:
-        # Room for the prompt and a block of output; longer outputs grow 256 tokens at a time.
-        capacity = len(prompt) + min(max_tokens, self.spec.block_tokens)
+        capacity = self._capacity(len(prompt), max_tokens)
         if self.kv_quant is not None:
             if cache is not None and reused > 0:
                 layers = blocks_to_quantized_caches(cache, reused, self.kv_quant, capacity)
@@ -168,6 +176,24 @@ class RaggedBackend:
         if self.spec.has_state_layers:  # a resumed row keeps the checkpoints it stands on
             self._checkpoints[uid] = inherited_checkpoints(cache, reused) if cache is not None else {}
         return uid
+
+    def _capacity(self, n_prompt_tokens: int, max_tokens: int) -> int:
+        """Room for the prompt and a block of output; longer outputs grow 256 tokens at a time."""
+        return n_prompt_tokens + min(max_tokens, self.spec.block_tokens)
+
+    def reserve(self, n_prompt_tokens: int, max_tokens: int) -> bool:
+        """The arena's buffers for this sequence, made ahead (engine/kv/arena.py); rows the arena
+        does not serve (quantized, sliding, per-layer shapes, SSM state) make their own at insert."""
+        if self.kv_quant is not None or not self.spec.all_full_attention:
+            return False
+        return self.arena.reserve(self._capacity(n_prompt_tokens, max_tokens))
+
+    def stock(self, n_tokens: Sequence[int]) -> int:
+        if self.kv_quant is not None or not self.spec.all_full_attention:
+            return 0
+        made = sum(self.arena.stock(n) for n in n_tokens)
+        self.arena.wait_made()
+        return made
 
     def _empty_layers(self, capacity: int) -> list[Any]:
         from mlx_lm.models.cache import KVCache
@@ -235,6 +261,7 @@ class RaggedBackend:
 
     def close(self) -> None:
         self.generator.close()
+        self.arena.close()
 
 
 class MlxBatchBackend:
@@ -320,6 +347,12 @@ class MlxBatchBackend:
 
     def release(self, kv: FinishedKV) -> None:
         pass  # the batch cache is BatchGenerator's own
+
+    def reserve(self, n_prompt_tokens: int, max_tokens: int) -> bool:
+        return False  # BatchGenerator makes its own batch cache
+
+    def stock(self, n_tokens: Sequence[int]) -> int:
+        return 0
 
     def prompt_tokens_processed(self) -> int:
         return int(self.generator._counters.prompt_tokens)

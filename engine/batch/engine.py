@@ -32,13 +32,8 @@ from engine.core.params import SamplingParams
 from engine.core.results import Completion, FinishReason, StepOutput, TokenDelta, TokenLogprobs, Usage
 from engine.core.spec import ModelCacheSpec
 from engine.kv.arena import KVArena
-from engine.kv.buffers import keep_buffers_resident
-from engine.kv.convert import (
-    caches_to_blocks,
-    copy_into_blocks,
-    host_layers,
-    yield_to_the_step,
-)
+from engine.kv.buffers import keep_buffers_resident, yield_to_the_step
+from engine.kv.convert import caches_to_blocks, copy_into_blocks, host_layers
 from engine.kv.host_slab import BlockSlab
 from engine.kv.quant import kv_quant
 from engine.kv.quantized import (
@@ -198,6 +193,22 @@ class BlockPoolBatchEngine:
             free, total = self.pool.free_blocks, self.pool.total_blocks
             return Admission("later", f"KV blocks: needs {needed}, {free} of {total} free")
         return Admission("now")
+
+    def reserve(self, n_prompt_tokens: int, max_tokens: int) -> bool:
+        """Start making the KV buffers of a sequence this size on a background thread, so that its
+        submit() does not pay for new memory on the step thread: call it as soon as a request's
+        size is known (a worker: when it takes the job). True if started; False where buffers
+        that fit are idle or already being made, or this batch makes its own. Never required."""
+        if self._beyond_context(n_prompt_tokens, max_tokens):
+            return False
+        return self._backend.reserve(n_prompt_tokens, max_tokens)
+
+    def keep_ready(self, n_tokens: Sequence[int]) -> int:
+        """Make idle KV buffers now for sequences of these lengths (waits; within the arena's idle
+        budget, which keeps a warm worker's buffers too): how many sets were made. A worker starting
+        on a warm store calls it with its returning agents' lengths, so that they resume into
+        buffers as a warm worker's agents do, not into new memory on the step thread."""
+        return self._backend.stock([n for n in n_tokens if n > 0 and not self._beyond_context(n, 1)])
 
     def _beyond_context(self, n_prompt_tokens: int, max_tokens: int) -> str:
         if n_prompt_tokens + max_tokens <= self.max_context:

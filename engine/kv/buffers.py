@@ -8,6 +8,10 @@ of those import it without importing one another.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+
 import mlx.core as mx
 import numpy as np
 
@@ -56,3 +60,14 @@ def empty_layer_buffers(spec: ModelCacheSpec, capacity: int) -> list[tuple[mx.ar
     ]
     mx.eval(buffers)
     return buffers
+
+
+BACKGROUND_NICE = 10
+
+
+def yield_to_the_step() -> None:
+    """Lower the calling thread's priority (Linux: a thread's own nice value), so work in the
+    background (cutting finished caches, making buffers ahead) takes cores the model's step leaves
+    idle, not its own."""
+    with contextlib.suppress(AttributeError, OSError):  # no per-thread priority (macOS): run as is
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)

@@ -18,8 +18,6 @@ attention (sliding windows, per-layer shapes, SSM state) go to engine/kv/layered
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +29,7 @@ import numpy as np
 from engine.core.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
 from engine.core.spec import ModelCacheSpec
 from engine.kv.arena import KVArena
-from engine.kv.buffers import empty_layer_buffers, host_view, round_up
+from engine.kv.buffers import empty_layer_buffers, host_view, round_up, yield_to_the_step
 from engine.kv.fast_copy import address, aliases_at, copy_array
 from engine.kv.host_slab import BlockSlab
 from engine.kv.layered import Checkpoint, layered_blocks_to_caches, layered_caches_to_blocks
@@ -82,16 +80,8 @@ def blocks_to_caches(
 # releases the GIL while it copies, and one core alone does not reach the memory's
 # bandwidth (8K tokens: 0.44 of a memcpy on one thread, 0.8 on two).
 PARALLEL_COPY_BYTES = 8 * 1024 * 1024
-BACKGROUND_NICE = 10
 _copy_pools: dict[bool, ThreadPoolExecutor] = {}
 _copy_pools_lock = threading.Lock()
-
-
-def yield_to_the_step() -> None:
-    """Lower the calling thread's priority (Linux: a thread's own nice value), so copies in the
-    background (cutting finished caches) take cores the model's step leaves idle, not its own."""
-    with contextlib.suppress(AttributeError, OSError):  # no per-thread priority (macOS): run as is
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 def _split_over_two_threads(

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import LayerSpec, ModelCacheSpec
+from engine.kv import buffers as kv_buffers
 from engine.kv import convert as kv_convert
 from engine.kv.arena import KVArena
 from engine.kv.convert import blocks_to_caches, caches_to_blocks
@@ -192,11 +193,11 @@ def test_background_copies_yield_to_the_step_thread_only() -> None:
     step_thread = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def background() -> None:
-        kv_convert.yield_to_the_step()
+        kv_buffers.yield_to_the_step()
         seen["cut"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     thread = threading.Thread(target=background)
     thread.start()
     thread.join()
-    assert seen["cut"] >= kv_convert.BACKGROUND_NICE > step_thread
+    assert seen["cut"] >= kv_buffers.BACKGROUND_NICE > step_thread
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == step_thread  # untouched

@@ -6,6 +6,7 @@ BOOM (submit raises), STEPFAIL (the next step raises).
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from engine.core.errors import InvalidRequestError
 from engine.core.params import SamplingParams
 from engine.core.results import Completion, StepOutput, TokenDelta, Usage
 from engine.core.spec import LayerSpec, ModelCacheSpec
+from store.base import CacheInfo
 
 SPEC = ModelCacheSpec(
     model_name="fake",
@@ -73,9 +75,19 @@ class FakeEngine:
         self.submitted: list[tuple[str | None, list[int], int]] = []  # agent, prompt, reused
         self.fail_next_step = False
         self.max_active = 0
+        self.reserved: list[tuple[int, int]] = []  # reserve() calls, in order
+        self.kept_ready: list[list[int]] = []  # keep_ready() calls
 
     def free_slots(self) -> int:
         return self.max_batch - len(self._seqs)
+
+    def keep_ready(self, n_tokens: Sequence[int]) -> int:
+        self.kept_ready.append(list(n_tokens))
+        return len(n_tokens)
+
+    def reserve(self, n_prompt_tokens: int, max_tokens: int) -> bool:
+        self.reserved.append((n_prompt_tokens, max_tokens))
+        return True
 
     def check(self, params: SamplingParams) -> None:
         params.validate(self.vocab_size)
@@ -229,6 +241,16 @@ class DictStore:
 
     def stats(self) -> dict[str, int]:
         return {"hot_entries": len(self.caches), "hot_hits": 0, "hot_misses": len(self.prefetches), "hits": 0}
+
+    def list(self) -> builtins.list[str]:
+        return sorted(self.caches)
+
+    def info(self, agent_id: str) -> CacheInfo | None:
+        cache = self.caches.get(agent_id)
+        if cache is None:
+            return None
+        last_used = float(len(self.puts) - self.puts[::-1].index(agent_id))  # later puts: more recent
+        return CacheInfo(agent_id, cache.n_tokens, cache.nbytes, last_used, "none", len(cache.blocks))
 
     def settle(self) -> None:
         for future in self.pending:

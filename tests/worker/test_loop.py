@@ -111,6 +111,19 @@ def test_agent_jobs_run_in_order_and_resume_from_the_previous_cache(h: Harness) 
     assert not h.redis.keys("kvrq:agent-lock:*")
 
 
+def test_a_taken_job_has_its_kv_buffers_reserved_before_its_turn_comes(h: Harness) -> None:
+    """A job reserves its buffers when it is taken, not when it is submitted: one that waits for its
+    agent's turn (or cache) has them made meanwhile, off the step thread (engine.reserve)."""
+    first = h.producer.submit({"agent_id": "A", "prompt": "hello", "max_tokens": 4})
+    second = h.producer.submit({"agent_id": "A", "prompt": "hello" + "abcd" + " more", "max_tokens": 2})
+    h.loop.run_once()
+    assert second.status() == "started" and second.id not in {
+        held.id for held in h.loop.scheduler.running.values()
+    }
+    assert h.engine.reserved == [(5, 4), (14, 2)]
+    h.run_until(h.all_ended([first, second]))
+
+
 def test_full_pool_keeps_jobs_queued_not_failed() -> None:
     h = Harness(pool_blocks=3)  # one job of 4 prompt + 8 generated tokens takes all 3 blocks
     handles = [h.producer.submit({"prompt": "abcd", "max_tokens": 8}) for _ in range(3)]
