@@ -31,9 +31,14 @@ MAX_CLAIMS = 64
 
 
 class KVArena:
-    def __init__(self, spec: ModelCacheSpec, max_idle_bytes: int) -> None:
+    def __init__(self, spec: ModelCacheSpec, max_idle_bytes: int, background: bool | None = None) -> None:
+        """`background` (default: on the CPU device only): `reserve` and `stock` make sets on a
+        thread of their own. MLX arrays made on another thread are used here once evaluated; that
+        is verified on the CPU, where new pages are what costs, not on Metal or CUDA, where
+        `reserve` then does nothing and `stock` makes its sets on the calling thread."""
         self.spec = spec
         self.max_idle_bytes = max_idle_bytes
+        self.background = mx.default_device() == mx.cpu if background is None else background
         self._idle: list[tuple[int, LayerBuffers, bool]] = []  # (capacity in tokens, buffers, reserved)
         self._making: list[tuple[int, Future[LayerBuffers]]] = []  # reserved, being made
         self._claims: list[int] = []  # capacities reserved and not taken yet, oldest first
@@ -94,6 +99,8 @@ class KVArena:
         background thread unless a set that fits is idle or being made and not claimed by an
         earlier reservation: True if one was started. A set nobody takes stays idle like a
         given-back one (within `max_idle_bytes`)."""
+        if not self.background:
+            return False
         capacity = self._capacity(n_tokens)
         with self._lock:
             self._claims.append(capacity)
@@ -108,14 +115,20 @@ class KVArena:
     def stock(self, n_tokens: int) -> bool:
         """Make an idle set for a sequence of n_tokens expected later (a worker starting: its
         returning agents), on the background thread, within the idle budget: True if started."""
+        capacity = self._capacity(n_tokens)
+        if not self.background:
+            with self._lock:
+                if not self._room_for(capacity):
+                    return False
+            self.give_back(self._new(capacity), reserved=True)
+            self.reserved += 1
+            return True
         with self._lock:
-            return self._start(self._capacity(n_tokens))
+            return self._start(capacity)
 
     def _start(self, capacity: int) -> bool:
         """Start making a set (the lock held): False where the idle budget could not keep it."""
-        block = self.spec.block_tokens  # each set is made with a block of headroom (_new)
-        making = sum(cap + block for cap, _ in self._making)
-        if self.idle_bytes + (making + capacity + block) * self.spec.bytes_per_token() > self.max_idle_bytes:
+        if not self._room_for(capacity):
             return False  # it could not be kept: leave it to take()
         if self._maker is None:
             self._maker = ThreadPoolExecutor(
@@ -126,6 +139,13 @@ class KVArena:
         self.reserved += 1
         entry[1].add_done_callback(lambda _: self._made(entry))
         return True
+
+    def _room_for(self, capacity: int) -> bool:
+        """Whether the idle budget keeps one more set of `capacity` (the lock held)."""
+        block = self.spec.block_tokens  # each set is made with a block of headroom (_new)
+        making = sum(cap + block for cap, _ in self._making)
+        needed = self.idle_bytes + (making + capacity + block) * self.spec.bytes_per_token()
+        return needed <= self.max_idle_bytes
 
     def wait_made(self) -> None:
         """Until every set being made is made (a worker's warm-up, before it takes jobs)."""

@@ -191,3 +191,15 @@ def run(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
         for completion in engine.step().completions:
             done[completion.uid] = completion
     raise AssertionError("engine did not finish")
+
+
+def test_without_a_background_thread_reserve_does_nothing_and_stock_makes_sets_here() -> None:
+    """Metal and CUDA: arrays made on another thread are not verified there, so nothing is."""
+    arena = WatchedArena(make_spec())
+    arena.background = False
+    assert not arena.reserve(40)
+    assert arena.made_on == []
+    assert arena.stock(40)
+    assert arena.made_on == [threading.get_ident()] and arena.idle_bytes > 0
+    arena.take(40)
+    assert arena.reserved_used == 1 and len(arena.made_on) == 1
