@@ -17,7 +17,12 @@ from worker.loop import REDIS_DOWN, WorkerLoop
 from worker.memory import return_large_frees_to_the_os
 from worker.rqexec import KvrqWorker
 from worker.settings import WorkerSettings
-from worker.warmup import keep_buffers_for_returning_agents, warm_up
+from worker.warmup import (
+    keep_buffers_for_returning_agents,
+    read_returning_agents,
+    returning_agents,
+    warm_up,
+)
 
 log = logging.getLogger("kvrq.worker")
 MiB = 1024 * 1024
@@ -73,10 +78,20 @@ def serve(settings: WorkerSettings) -> int:
         time.perf_counter() - started,
         redact_url(settings.store),
     )
+    returning = []
     if settings.warmup:
         warm_up(engine)
-        keep_buffers_for_returning_agents(engine, store, settings.max_batch)
+        returning = returning_agents(store, settings.max_batch)
+        keep_buffers_for_returning_agents(engine, returning)
     connection = wait_for_redis(settings.redis_url)
+    if returning:
+        read_returning_agents(
+            connection,
+            store,
+            returning,
+            budget_bytes=int(settings.store_hot_mb * MiB),
+            bytes_per_token=engine.spec.bytes_per_token(),
+        )
     rq_worker = KvrqWorker(
         settings.queue_names,
         connection=connection,

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import wait
+
+from redis import Redis
+from redis.exceptions import RedisError
 
 from engine.core.blocks import AgentCache
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
+from producer.protocol import agent_fence_key, agent_lock_key
 from store.base import CacheInfo
 from worker.ports import Engine, Store
 
@@ -86,16 +91,9 @@ def _run(engine: Engine, uids: set[int], max_steps: int = 10_000) -> dict[int, C
     raise RuntimeError(f"the engine did not finish its warm-up rows in {max_steps} steps")
 
 
-def keep_buffers_for_returning_agents(engine: Engine, store: Store, limit: int) -> int:
-    """KV buffers, idle and ready, for the `limit` agents the store served last: sets made.
-
-    A warm worker resumes an agent into buffers an earlier sequence left; a fresh one would make
-    new ones on the step thread as each agent joins, and new memory is slow to come by: on this
-    project's 2-core VM, 0.2-0.3 s for one 900-token SmolLM2 agent, paid one agent after another
-    with the batch waiting, when twelve agents returned to a restarted worker at once (a
-    4.4 s first token against 1.4 s for the same burst on the warm worker). Sized for each agent's
-    stored tokens (a set comes with a block of room: the next turn). A store that cannot list its
-    agents is skipped."""
+def returning_agents(store: Store, limit: int) -> list[CacheInfo]:
+    """The `limit` agents the store served last, newest first: those most likely to come back first
+    to a worker starting on it. A store that cannot list its agents gives none (logged)."""
     started = time.perf_counter()
     infos: list[CacheInfo] = []
     try:
@@ -106,14 +104,72 @@ def keep_buffers_for_returning_agents(engine: Engine, store: Store, limit: int) 
             if info is not None:
                 infos.append(info)
     except Exception:
-        log.warning("could not list the store's agents; no buffers kept ready for them", exc_info=True)
-        return 0
-    recent = sorted(infos, key=lambda info: info.last_used, reverse=True)[:limit]
-    made = engine.keep_ready([info.n_tokens for info in recent])  # sets come with a block to grow
+        log.warning("could not list the store's agents; nothing made ready for them", exc_info=True)
+        return []
+    return sorted(infos, key=lambda info: info.last_used, reverse=True)[:limit]
+
+
+def keep_buffers_for_returning_agents(engine: Engine, agents: list[CacheInfo]) -> int:
+    """KV buffers, idle and ready, for `agents` (returning_agents): sets made.
+
+    A warm worker resumes an agent into buffers an earlier sequence left; a fresh one would make
+    new ones on the step thread as each agent joins, and new memory is slow to come by: on this
+    project's 2-core VM, 0.2-0.3 s for one 900-token SmolLM2 agent, paid one agent after another
+    with the batch waiting, when twelve agents returned to a restarted worker at once (a
+    4.4 s first token against 1.4 s for the same burst on the warm worker). Sized for each agent's
+    stored tokens (a set comes with a block of room: the next turn)."""
+    started = time.perf_counter()
+    made = engine.keep_ready([info.n_tokens for info in agents])
     log.info(
-        "KV buffers ready for %d of the store's %d most recent agents in %.1f s",
+        "KV buffers ready for %d of %d returning agents in %.1f s",
         made,
-        len(recent),
+        len(agents),
         time.perf_counter() - started,
     )
     return made
+
+
+def read_returning_agents(
+    connection: Redis,
+    store: Store,
+    agents: list[CacheInfo],
+    *,
+    budget_bytes: int,
+    bytes_per_token: int,
+    timeout_s: float = 60.0,
+) -> int:
+    """Read `agents`' caches into the store's memory (the hot tier) before the first job, each as
+    fresh as the last turn its agent ended: caches read.
+
+    Why the turn matters: the hot tier serves a job only a cache at least as new as its agent's
+    previous turn (the fence), or another worker's newer cache would be missed. An agent whose
+    lock is free has no turn running; the store then holds the cache of its last turn (the lock is
+    released only once that cache is durable), whose fence the counter shows: read then, the
+    cache is at least that new, and a turn that starts meanwhile only makes it newer. An agent
+    whose lock is held is left alone: its cache is about to change. Newest agents are read last,
+    so that a hot tier too small for all of them keeps those; `budget_bytes` (the hot tier's) bounds
+    the reads, at `bytes_per_token` in memory."""
+    started = time.perf_counter()
+    chosen: list[tuple[str, int]] = []
+    room = budget_bytes
+    try:
+        for info in agents:
+            lock, fence = connection.mget([agent_lock_key(info.agent_id), agent_fence_key(info.agent_id)])
+            size = info.n_tokens * bytes_per_token
+            if lock is not None or fence is None or size > room:
+                continue
+            room -= size
+            chosen.append((info.agent_id, int(fence)))
+    except RedisError:
+        log.warning("could not read the agents' turns; their caches are read when they come", exc_info=True)
+        return 0
+    reads = [store.prefetch(agent_id, prompt_tokens=None, fence=fence) for agent_id, fence in chosen[::-1]]
+    done, _ = wait(reads, timeout=timeout_s)
+    read = sum(1 for future in done if future.exception() is None and future.result() is not None)
+    log.info(
+        "read %d of the store's %d most recent agents into memory in %.1f s",
+        read,
+        len(agents),
+        time.perf_counter() - started,
+    )
+    return read

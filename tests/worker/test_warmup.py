@@ -3,13 +3,25 @@ buffers ready for the agents the store served last."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import fakeredis
+
 from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.blocks import AgentCache
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
+from producer.protocol import agent_fence_key, agent_lock_key
+from store import open_store
 from tests.engine.tiny import ByteTokenizer, tiny_model
+from tests.store.conftest import make_cache, tiny_spec, tokens
 from tests.worker.fakes import SPEC, DictStore, FakeEngine
-from worker.warmup import keep_buffers_for_returning_agents, warm_up
+from worker.warmup import (
+    keep_buffers_for_returning_agents,
+    read_returning_agents,
+    returning_agents,
+    warm_up,
+)
 
 
 def test_warm_up_on_the_real_engine_leaves_nothing_behind() -> None:
@@ -54,7 +66,7 @@ def test_buffers_are_kept_ready_for_the_store_s_most_recent_agents() -> None:
     engine, store = FakeEngine(pool_blocks=4096), DictStore()
     for agent, n in [("old", 10), ("a", 20), ("b", 30), ("newest", 40)]:
         stored(store, agent, n)
-    assert keep_buffers_for_returning_agents(engine, store, limit=3) == 3
+    assert keep_buffers_for_returning_agents(engine, returning_agents(store, limit=3)) == 3
     assert engine.kept_ready == [[40, 30, 20]]  # the last 3 served, newest first
 
 
@@ -64,8 +76,8 @@ def test_a_store_that_cannot_list_its_agents_keeps_nothing_ready() -> None:
             raise ConnectionError("store down")
 
     engine = FakeEngine(pool_blocks=4096)
-    assert keep_buffers_for_returning_agents(engine, Unlisted(), limit=3) == 0
-    assert engine.kept_ready == []
+    assert returning_agents(Unlisted(), limit=3) == []
+    assert keep_buffers_for_returning_agents(engine, []) == 0
 
 
 def test_on_the_real_engine_the_kept_buffers_are_what_the_returning_agent_resumes_into() -> None:
@@ -82,7 +94,7 @@ def test_on_the_real_engine_the_kept_buffers_are_what_the_returning_agent_resume
     store.put("a", done.cache)
     fresh = BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny", pool_blocks=16)
     try:
-        assert keep_buffers_for_returning_agents(fresh, store, limit=4) == 1
+        assert keep_buffers_for_returning_agents(fresh, returning_agents(store, limit=4)) == 1
         arena = fresh._backend.arena  # type: ignore[attr-defined]
         made = arena.reserved
         uid = fresh.submit("a", list(done.cache.token_ids) + list(b" and more"), params, cache=done.cache)
@@ -98,3 +110,52 @@ def run_engine(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
         for completion in engine.step().completions:
             finished[completion.uid] = completion
     return finished
+
+
+def test_returning_agents_are_read_into_memory_as_fresh_as_their_last_turn(tmp_path: Path) -> None:
+    """A free agent's cache is read at start and serves its next turn from memory; an agent whose
+    lock is held (a turn running elsewhere) is left alone; a turn two fences on reads the store."""
+    spec = tiny_spec()
+    store = open_store(f"disk://{tmp_path}", spec)
+    redis = fakeredis.FakeRedis()
+    try:
+        for agent in ("free", "busy", "skipped-on"):
+            store.put(agent, make_cache(spec, tokens(40, seed=len(agent)))).result()
+            redis.set(agent_fence_key(agent), 5)
+        redis.set(agent_lock_key("busy"), "other-worker/job-1")
+        store.close()
+        store = open_store(f"disk://{tmp_path}", spec)  # a fresh worker's store: nothing in memory
+        agents = returning_agents(store, limit=10)
+        assert {info.agent_id for info in agents} == {"free", "busy", "skipped-on"}
+        read = read_returning_agents(
+            redis, store, agents, budget_bytes=10**9, bytes_per_token=spec.bytes_per_token()
+        )
+        assert read == 2  # free and skipped-on
+        before = store.stats()
+        assert store.prefetch("free", prompt_tokens=None, fence=6).done()  # its next turn: memory
+        assert store.stats()["hot_hits"] == before["hot_hits"] + 1
+        store.prefetch("busy", prompt_tokens=None, fence=6).result()
+        store.prefetch("skipped-on", prompt_tokens=None, fence=7).result()  # turn 6 ran elsewhere
+        assert store.stats()["hot_misses"] == before["hot_misses"] + 2
+    finally:
+        store.close()
+
+
+def test_reading_returning_agents_stays_within_the_hot_tier_budget(tmp_path: Path) -> None:
+    spec = tiny_spec()
+    store = open_store(f"disk://{tmp_path}", spec)
+    redis = fakeredis.FakeRedis()
+    try:
+        for agent in ("a", "b", "c"):
+            store.put(agent, make_cache(spec, tokens(40))).result()
+            redis.set(agent_fence_key(agent), 1)
+        agents = returning_agents(store, limit=10)
+        one = 40 * spec.bytes_per_token()
+        assert (
+            read_returning_agents(
+                redis, store, agents, budget_bytes=2 * one, bytes_per_token=spec.bytes_per_token()
+            )
+            == 2
+        )
+    finally:
+        store.close()
