@@ -44,6 +44,7 @@ from engine.batch.attention import AttentionCall, QuantizedCall, fused_attention
 from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 from engine.batch.state_rows import FlatCacheList, FlatStateCache, route_state_mixers
+from engine.batch.step_cost import StepCost
 from engine.core.params import LogitsProcessor
 from engine.core.results import TokenLogprobs
 from engine.kv.window import WindowKVCache
@@ -447,6 +448,7 @@ class RaggedBatchGenerator:
         self.short_slots = short_slots and not self.latent and not self.has_state
         self._held_back_last_step = False
         self._next_uid = 0
+        self.cost = StepCost()  # bounds the finishing rows a step carries (engine/batch/step_cost.py)
 
     def insert(
         self,
@@ -514,6 +516,7 @@ class RaggedBatchGenerator:
         start = time.perf_counter()
         sampled, logprobs = self._forward(runs)
         stats.forward_s = time.perf_counter() - start
+        self.cost.record(stats)
         out = []
         for row, n in runs:
             fed = row.pending[:n]
@@ -552,12 +555,18 @@ class RaggedBatchGenerator:
         budget = self.prefill_tokens_per_step
         chunks: list[tuple[Row, int]] = []
         held_back = False
+        whole = sum(len(r.pending) for r in prefilling if len(r.pending) <= budget)
+        join_tokens = self.cost.join_tokens(whole) or budget
+        finished = 0  # prompt tokens of rows finishing in this step
         for row in sorted(prefilling, key=lambda r: (len(r.pending), r.inserted_step, r.uid)):
             if budget <= 0:
                 break
             n = min(budget, len(row.pending))
             if self.has_state:  # end on the next block boundary: the state is checkpointed there
                 n = min(n, (row.length // self.block_tokens + 1) * self.block_tokens - row.length)
+            if n == len(row.pending) and chunks and finished + n > join_tokens:
+                break  # a burst of joiners: the rest finish in the next steps (StepCost)
+            finished += n if n == len(row.pending) else 0
             finishing_tokens = self.prefill_tokens_per_step - budget
             if (
                 n < len(row.pending)

@@ -1,0 +1,54 @@
+"""StepCost: what a step of the ragged batch costs on this machine, learnt from the steps it runs,
+and how many prompt tokens of finishing rows a step should therefore carry.
+
+Why: when several warm agents join at once (a restart, a burst of turns), their suffixes all fit in
+one step, and one step is what the batch used to give them: every first token came at the end of a
+step carrying all of them. A step costs a fixed part `a` (the weights read once, the decoding rows)
+plus `b` per prompt token. Finishing n suffixes of W tokens in all, J tokens a step, the mean first
+token is about (a + bJ)(W/J + 1)/2, least at J = sqrt(aW/b). On a 2-core CPU (a ~0.06 s, b ~4.5 ms
+a token for SmolLM2) twelve 20-token suffixes go ~3 a step, not 12 at once; where a prompt token
+costs little against the fixed part (a worth a few hundred tokens: a GPU), J covers the whole burst,
+as before.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+#: Weight of the newest step in the running averages.
+WEIGHT = 0.2
+#: A step with fewer prompt tokens says too little about their cost to count.
+MIN_PROMPT_TOKENS = 16
+
+
+class StepRecord(Protocol):
+    prompt_tokens: int
+    decode_rows: int
+    forward_s: float
+
+
+class StepCost:
+    def __init__(self) -> None:
+        self.fixed_s: float | None = None  # a step with decoding rows only
+        self.per_token_s: float | None = None  # each prompt token on top
+
+    def record(self, step: StepRecord) -> None:
+        if step.forward_s <= 0:
+            return
+        if step.prompt_tokens == 0 and step.decode_rows > 0:
+            self.fixed_s = _average(self.fixed_s, step.forward_s)
+        elif step.prompt_tokens >= MIN_PROMPT_TOKENS and self.fixed_s is not None:
+            per_token = max(0.0, step.forward_s - self.fixed_s) / step.prompt_tokens
+            self.per_token_s = _average(self.per_token_s, per_token)
+
+    def join_tokens(self, waiting_tokens: int) -> int | None:
+        """Prompt tokens of finishing rows one step should carry, with `waiting_tokens` of them
+        waiting; None until both parts of the cost are known (then: no bound)."""
+        if self.fixed_s is None or not self.per_token_s or waiting_tokens <= 0:
+            return None
+        return max(1, math.ceil(math.sqrt(self.fixed_s * waiting_tokens / self.per_token_s)))
+
+
+def _average(current: float | None, new: float) -> float:
+    return new if current is None else (1 - WEIGHT) * current + WEIGHT * new

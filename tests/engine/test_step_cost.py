@@ -1,0 +1,95 @@
+"""StepCost: the step's cost learnt from the steps run, and the finishing tokens a step carries;
+on the ragged batch, a burst of warm joiners split over steps, shortest first, tokens unchanged."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from engine.batch.engine import BlockPoolBatchEngine
+from engine.batch.step_cost import StepCost
+from engine.core.params import SamplingParams
+from tests.engine.test_ragged import make_engine, prompt, run_all, saved_cache, tokens_of
+from tests.engine.tiny import tiny_model
+
+pytestmark = pytest.mark.mlx_path
+
+
+@dataclass
+class Step:
+    prompt_tokens: int
+    decode_rows: int
+    forward_s: float
+
+
+def test_no_bound_until_both_parts_of_the_cost_are_known() -> None:
+    cost = StepCost()
+    assert cost.join_tokens(200) is None
+    cost.record(Step(prompt_tokens=100, decode_rows=0, forward_s=0.5))  # no fixed part yet to take off
+    assert cost.join_tokens(200) is None
+    cost.record(Step(prompt_tokens=0, decode_rows=8, forward_s=0.06))
+    assert cost.join_tokens(200) is None
+
+
+def test_the_bound_is_the_square_root_of_fixed_over_per_token_times_what_waits() -> None:
+    cost = StepCost()
+    cost.record(Step(prompt_tokens=0, decode_rows=8, forward_s=0.06))
+    cost.record(Step(prompt_tokens=100, decode_rows=8, forward_s=0.06 + 100 * 0.0045))
+    assert cost.fixed_s == pytest.approx(0.06) and cost.per_token_s == pytest.approx(0.0045)
+    assert cost.join_tokens(240) == math.ceil(math.sqrt(0.06 * 240 / 0.0045))  # 57: ~3 suffixes of 20
+    cost.record(Step(prompt_tokens=8, decode_rows=8, forward_s=9.0))  # too few tokens to count
+    assert cost.per_token_s == pytest.approx(0.0045)
+
+
+def test_cheap_prompt_tokens_leave_the_whole_burst_in_one_step() -> None:
+    """A fixed part worth 300 prompt tokens (a GPU's): the bound is above a 240-token burst."""
+    cost = StepCost()
+    cost.record(Step(prompt_tokens=0, decode_rows=8, forward_s=0.015))
+    cost.record(Step(prompt_tokens=200, decode_rows=8, forward_s=0.015 + 200 * 0.00005))
+    assert (cost.join_tokens(240) or 0) >= 240
+
+
+def first_token_steps(engine: BlockPoolBatchEngine, uids: list[int]) -> tuple[list[int], list[list[int]]]:
+    """The step each row's first token came in, and each row's tokens (in the order of `uids`)."""
+    first: dict[int, int] = {}
+    step = 0
+    while len(first) < len(uids):
+        step += 1
+        for uid in tokens_of(engine.step()) & set(uids):
+            first.setdefault(uid, step)
+    done = run_all(engine)
+    return [first[uid] for uid in uids], [done[uid].token_ids for uid in uids]
+
+
+def test_a_burst_of_warm_joiners_is_split_shortest_first_without_changing_a_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_model("llama")
+    suffixes = [17, 5, 13, 9]
+    results = []
+    for split in (False, True):
+        engine = make_engine(model)
+        try:
+            caches = [saved_cache(engine, 100 + 20 * i) for i in range(len(suffixes))]
+            generator = engine._backend.generator  # type: ignore[attr-defined]
+            cost = StepCost()
+            if split:  # a step's fixed part worth ~10 prompt tokens for 44 waiting: ~21 tokens a step
+                cost.fixed_s, cost.per_token_s = 0.01, 0.001
+            monkeypatch.setattr(cost, "record", lambda step: None)
+            generator.cost = cost
+            params = SamplingParams(max_tokens=6, stop_tokens=())
+            uids = [
+                engine.submit(f"a{i}", c.token_ids + prompt(n, salt=i), params, cache=c)
+                for i, (c, n) in enumerate(zip(caches, suffixes, strict=True))
+            ]
+            results.append(first_token_steps(engine, uids))
+        finally:
+            engine.close()
+    (together, tokens_together), (split_steps, tokens_split) = results
+    assert set(together) == {1}, "without a known cost: all four in one step"
+    by_length = [step for _, step in sorted(zip(suffixes, split_steps, strict=True))]
+    assert by_length == sorted(by_length) and by_length[-1] > 1, "shortest first, over several steps"
+    assert by_length[0] == 1
+    assert tokens_split == tokens_together, "the same tokens either way"
