@@ -516,7 +516,6 @@ class RaggedBatchGenerator:
         start = time.perf_counter()
         sampled, logprobs = self._forward(runs)
         stats.forward_s = time.perf_counter() - start
-        self.cost.record(stats)
         out = []
         for row, n in runs:
             fed = row.pending[:n]
@@ -539,6 +538,7 @@ class RaggedBatchGenerator:
                 reason = "length"
             out.append(RowToken(row.uid, token, reason, logprobs.get(row.uid)))
         self.last_step = stats
+        self.cost.record(stats)
         return out
 
     def _prefill_chunks(self, prefilling: list[Row]) -> list[tuple[Row, int]]:

@@ -93,3 +93,18 @@ def test_a_burst_of_warm_joiners_is_split_shortest_first_without_changing_a_toke
     assert by_length == sorted(by_length) and by_length[-1] > 1, "shortest first, over several steps"
     assert by_length[0] == 1
     assert tokens_split == tokens_together, "the same tokens either way"
+
+
+def test_the_ragged_batch_learns_both_parts_of_its_step_cost() -> None:
+    engine = make_engine(tiny_model("llama"))
+    try:
+        params = SamplingParams(max_tokens=4, stop_tokens=())
+        engine.submit(None, prompt(40), params, keep_cache=False)
+        run_all(engine)  # a prompt step (before any decode step: not counted), then decode steps
+        engine.submit(None, prompt(40, salt=1), params, keep_cache=False)
+        run_all(engine)
+        cost = engine._backend.generator.cost  # type: ignore[attr-defined]
+        assert cost.fixed_s is not None and cost.fixed_s > 0
+        assert cost.per_token_s is not None, "the second prompt's step taught the per-token part"
+    finally:
+        engine.close()
