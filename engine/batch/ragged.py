@@ -21,7 +21,9 @@ and each step is ONE forward pass over a flat batch of tokens:
   prefill first: a warm agent's suffix is never stuck behind a burst of long cold
   prompts, and the first of a burst finish after their own prefill, not the whole
   burst's; a step in which a prompt finishes carries no chunk of an unfinished one (at
-  most every other step), so a warm agent's first token comes from a short step;
+  most every other step), so a warm agent's first token comes from a short step; a burst of
+  warm suffixes is finished over several steps, as many tokens a step as the learnt step cost
+  says minimises their mean first token (engine/batch/step_cost.py);
   decoding rows get a token every step whatever is being prefilled;
 - on the CPU, a flat batch of 4-16 tokens runs as 16 rows and 20-31 as 32, OpenBLAS's fast
   matmul shapes (engine/cpu/gemm_rows.py): the extra rows attend to nothing, write no K/V and are
