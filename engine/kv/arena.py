@@ -42,7 +42,9 @@ class KVArena:
         self._idle: list[tuple[int, LayerBuffers, bool]] = []  # (capacity in tokens, buffers, reserved)
         self._making: list[tuple[int, Future[LayerBuffers]]] = []  # reserved, being made
         self._claims: list[int] = []  # capacities reserved and not taken yet, oldest first
-        self._lock = threading.Lock()
+        # Reentrant: a set made before its done-callback is attached (under this lock) runs the
+        # callback, which takes the lock, on this very thread.
+        self._lock = threading.RLock()
         self._maker: ThreadPoolExecutor | None = None
         self.reserved = 0  # sets made ahead (reserve, stock)
         self.reserved_used = 0  # of those, taken by a sequence

@@ -203,3 +203,30 @@ def test_without_a_background_thread_reserve_does_nothing_and_stock_makes_sets_h
     assert arena.made_on == [threading.get_ident()] and arena.idle_bytes > 0
     arena.take(40)
     assert arena.reserved_used == 1 and len(arena.made_on) == 1
+
+
+def test_a_set_made_before_its_callback_is_attached_does_not_deadlock() -> None:
+    """The background thread may finish a set before reserve() attaches its done-callback (under the
+    arena's lock): the callback then runs at once on the reserving thread."""
+    from concurrent.futures import Future
+
+    class Instant:
+        def submit(self, fn: object, *args: object) -> Future[LayerBuffers]:
+            done: Future[LayerBuffers] = Future()
+            done.set_result(fn(*args))  # type: ignore[operator]
+            return done
+
+        def shutdown(self, wait: bool = True) -> None:
+            pass
+
+    arena = KVArena(make_spec(), max_idle_bytes=10**9, background=True)
+    arena._maker = Instant()  # type: ignore[assignment]
+    finished = threading.Event()
+
+    def reserve() -> None:
+        arena.reserve(40)
+        finished.set()
+
+    threading.Thread(target=reserve, daemon=True).start()
+    assert finished.wait(10), "reserve() deadlocked on its own lock"
+    assert arena.idle_bytes > 0
