@@ -152,17 +152,18 @@ def read_returning_agents(
     started = time.perf_counter()
     chosen: list[tuple[str, int]] = []
     room = budget_bytes
+    keys = [key for info in agents for key in (agent_lock_key(info.agent_id), agent_fence_key(info.agent_id))]
     try:
-        for info in agents:
-            lock, fence = connection.mget([agent_lock_key(info.agent_id), agent_fence_key(info.agent_id)])
-            size = info.n_tokens * bytes_per_token
-            if lock is not None or fence is None or size > room:
-                continue
-            room -= size
-            chosen.append((info.agent_id, int(fence)))
+        turns = connection.mget(keys) if keys else []  # every lock with its fence, in one read
     except RedisError:
         log.warning("could not read the agents' turns; their caches are read when they come", exc_info=True)
         return 0
+    for info, lock, fence in zip(agents, turns[::2], turns[1::2], strict=True):
+        size = info.n_tokens * bytes_per_token
+        if lock is not None or fence is None or size > room:
+            continue
+        room -= size
+        chosen.append((info.agent_id, int(fence)))
     reads = [store.prefetch(agent_id, prompt_tokens=None, fence=fence) for agent_id, fence in chosen[::-1]]
     done, _ = wait(reads, timeout=timeout_s)
     read = sum(1 for future in done if future.exception() is None and future.result() is not None)

@@ -10,9 +10,9 @@ import pytest
 
 from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.params import SamplingParams
-from engine.core.results import Completion
 from engine.core.spec import LayerSpec, ModelCacheSpec
 from engine.kv.arena import KVArena, LayerBuffers
+from tests.engine.test_ragged import run_all
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
 
@@ -152,7 +152,7 @@ def test_engine_resume_on_reserved_buffers_gives_the_same_tokens(model: object) 
     params = SamplingParams(max_tokens=8, stop_tokens=())
     first = engine()
     uid = first.submit("a", list(b"the first turn of an agent"), params)
-    turn1 = run(first)[uid]
+    turn1 = run_all(first)[uid]
     first.close()
     assert turn1.cache is not None
     prompt = list(turn1.cache.token_ids) + list(b" and its second turn")
@@ -165,7 +165,7 @@ def test_engine_resume_on_reserved_buffers_gives_the_same_tokens(model: object) 
             assert fresh.reserve(len(prompt), params.max_tokens)
             wait_idle(arena)
         uid = fresh.submit("a", prompt, params, cache=turn1.cache)
-        done = run(fresh)[uid]
+        done = run_all(fresh)[uid]
         assert done.usage.reused_tokens > 0
         assert arena.reserved_used == (1 if reserve else 0), "submit took the reserved buffers"
         outputs.append(done.token_ids)
@@ -181,16 +181,6 @@ def test_engine_reserve_declines_what_it_could_never_run(model: object) -> None:
         assert not eng.reserve(600, 8), "beyond the context: nothing is made"
     finally:
         eng.close()
-
-
-def run(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
-    done: dict[int, Completion] = {}
-    for _ in range(10_000):
-        if not engine.has_work():
-            return done
-        for completion in engine.step().completions:
-            done[completion.uid] = completion
-    raise AssertionError("engine did not finish")
 
 
 def test_without_a_background_thread_reserve_does_nothing_and_stock_makes_sets_here() -> None:

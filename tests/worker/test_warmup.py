@@ -10,9 +10,9 @@ import fakeredis
 from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.blocks import AgentCache
 from engine.core.params import SamplingParams
-from engine.core.results import Completion
 from producer.protocol import agent_fence_key, agent_lock_key
 from store import open_store
+from tests.engine.test_ragged import run_all
 from tests.engine.tiny import ByteTokenizer, tiny_model
 from tests.store.conftest import make_cache, tiny_spec, tokens
 from tests.worker.fakes import SPEC, DictStore, FakeEngine
@@ -87,7 +87,7 @@ def test_on_the_real_engine_the_kept_buffers_are_what_the_returning_agent_resume
     params = SamplingParams(max_tokens=6, stop_tokens=())
     first = BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny", pool_blocks=16)
     uid = first.submit("a", list(b"an agent's first turn, long enough"), params)
-    done = run_engine(first)[uid]
+    done = run_all(first)[uid]
     first.close()
     assert done.cache is not None
     store = DictStore()
@@ -98,18 +98,10 @@ def test_on_the_real_engine_the_kept_buffers_are_what_the_returning_agent_resume
         arena = fresh._backend.arena  # type: ignore[attr-defined]
         made = arena.reserved
         uid = fresh.submit("a", list(done.cache.token_ids) + list(b" and more"), params, cache=done.cache)
-        run_engine(fresh)
+        run_all(fresh)
         assert arena.reserved == made and arena.reserved_used == 1, "resumed into the kept set"
     finally:
         fresh.close()
-
-
-def run_engine(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
-    finished: dict[int, Completion] = {}
-    while engine.has_work():
-        for completion in engine.step().completions:
-            finished[completion.uid] = completion
-    return finished
 
 
 def test_returning_agents_are_read_into_memory_as_fresh_as_their_last_turn(tmp_path: Path) -> None:
