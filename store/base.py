@@ -108,6 +108,7 @@ BACKEND_COUNTERS = (
     "evicted_bytes",
     "put_retries",
     "stale_puts",
+    "puts_rewritten",  # a replicated commit gone when read back (a failover), written again
     "blocks_linked",
     "bytes_saved",
     "cross_agent_hits",

@@ -71,6 +71,7 @@ from store.manifest import (
     stored_fence,
     summarize_manifest,
 )
+from store.replication import FAILOVER_BUDGET_S, REDIS_DOWN, Replication, backoff, confirm
 from store.resp import ScatterPacker, ScatterValue, get_into
 
 DEFAULT_PREFIX = "kvrq:cache:"
@@ -164,6 +165,8 @@ class RedisStore(BlockBackend):
         self._prefixes = f"{prefix}prefixes"
         self._prefix_sizes = f"{prefix}prefix-sizes"
         self._scripting: bool | None = None  # whether the server runs Lua (fakeredis without lupa does not)
+        self._replication_mark = f"{prefix}replication-mark"
+        self.failover_budget_s = FAILOVER_BUDGET_S  # how long a replicated put rides a failover
 
     # --- keys ----------------------------------------------------------------------------------
     def _mkey(self, agent_id: str) -> str:
@@ -363,6 +366,50 @@ class RedisStore(BlockBackend):
         check_fence(fence)
         namespace = self.effective_namespace(namespace)
         cache.validate(self.spec)
+        replication = Replication.of(self._client)
+        if replication.replicas <= 0:
+            return self._put(agent_id, cache, fence, namespace) is not None
+        return self._put_replicated(agent_id, cache, fence, namespace, replication)
+
+    def _put_replicated(
+        self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str, replication: Replication
+    ) -> bool:
+        """`_put`, confirmed on the replicas and read back (store/replication.py says why). A commit
+        gone by then (a failover dropped it) is written again; refused writes and lost connections are
+        retried until the failover budget is spent, then raise StoreError (the worker counts a failed
+        put: its next turn prefills from what the store holds)."""
+        mkey = self._mkey(agent_id)
+        written: bytes | None = None
+        failure: str = "no try"
+        for pause in backoff(self.failover_budget_s):
+            time.sleep(pause)
+            try:
+                if written is None:
+                    written = self._put(agent_id, cache, fence, namespace)
+                    if written is None:
+                        return False  # stale: a later turn's cache is stored
+                found = confirm(self._client, mkey, self._replication_mark, replication)
+            except REDIS_DOWN as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+                continue
+            if found.value != written:
+                if fence is not None and found.value is not None and stored_fence(found.value) > fence:
+                    return True  # a later turn replaced ours after it was stored
+                self._stats.add("puts_rewritten")
+                log.warning("redis: agent %r's commit was gone when read back: writing it again", agent_id)
+                written, failure = None, "the commit was lost (a failover?)"
+            elif found.replicas >= replication.replicas:
+                return True
+            else:
+                failure = f"{found.replicas} of {replication.replicas} replica(s) confirmed it"
+        raise StoreError(
+            f"put of agent {agent_id!r} not confirmed on the replicas within {self.failover_budget_s:.0f} s"
+            f" ({failure})"
+        )
+
+    def _put(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bytes | None:
+        """Write the cache's blocks and commit its manifest under the fence; the manifest as stored,
+        or None when the put is stale."""
         mkey = self._mkey(agent_id)
         plan: WritePlan | None = None
         linked: builtins.list[NewBlock] = []
@@ -378,7 +425,7 @@ class RedisStore(BlockBackend):
                 if new_fence is None:
                     if plan is not None:
                         self._discard(agent_id, plan)
-                    return False
+                    return None
                 if plan is None or not self._blocks_exist(tx, agent_id, plan.kept):
                     # (Re)plan; a retry whose kept blocks still exist only needs the commit again.
                     if plan is not None:
@@ -398,7 +445,7 @@ class RedisStore(BlockBackend):
                     continue
             self._collect_shared(released)
             self._after_put(agent_id, self._count_put(plan, len(manifest_blob), linked))
-            return True
+            return manifest_blob
         if plan is not None:
             self._discard(agent_id, plan)
         raise StoreError(f"put of agent {agent_id!r} lost {attempts} races with other writers")

@@ -24,6 +24,7 @@ from redis.exceptions import WatchError
 from rq.job import Job, JobStatus
 
 from producer.protocol import agent_fence_key, agent_jobs_key, agent_lock_key, worker_agents_key
+from producer.redis_url import wait_replicated
 
 _ENDED = {None, JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 
@@ -60,6 +61,9 @@ class AgentTurns:
             return None
         fence = int(self.connection.incr(agent_fence_key(agent_id)))
         self.connection.sadd(worker_agents_key(self.owner), agent_id)
+        # On a replicated Redis (the URL's `wait`) the turn is used only once a replica holds it: a
+        # failover that dropped the fence would hand the same fence to the agent's next turn.
+        wait_replicated(self.connection, [lock_key, agent_fence_key(agent_id)])
         self._locks[agent_id] = job_id
         return fence
 

@@ -1,0 +1,71 @@
+"""A store write confirmed on replicas, so a failover cannot take back a cache a worker called durable.
+
+A worker frees an agent's lock once its put returns, and the agent's next turn (on any worker) reads
+the store. A commit the old primary acknowledged but had not yet sent to its replica is gone once the
+replica is promoted: the next turn then resumes from the turn before, a true prefix (the answer is
+right) but a miss nobody counted. Where the client's pool asks for replicas (`wait_replicas`, set by
+producer/redis_url.connect from a Sentinel URL's `?wait=`; the store cannot import the producer), a
+put is confirmed with WAIT and read back; refused writes and lost connections are retried for as long
+as a failover takes (FAILOVER_BUDGET_S, the producer's budget too).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+#: Sentinel announces a new primary within seconds; with one replica and min-replicas-to-write 1 it
+#: takes writes once the old primary rejoined as its replica (10-20 s).
+FAILOVER_BUDGET_S = 30.0
+#: Errors worth another try once a failover settles (a refused write is a ConnectionError there).
+REDIS_DOWN: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+
+
+@dataclass(frozen=True)
+class Replication:
+    """How many replicas a write must reach, and how long one WAIT may take."""
+
+    replicas: int
+    timeout_ms: int
+
+    @classmethod
+    def of(cls, client: Any) -> Replication:
+        """What `client`'s pool asks for: no replicas unless its URL said so."""
+        pool = getattr(client, "connection_pool", None)
+        return cls(int(getattr(pool, "wait_replicas", 0) or 0), int(getattr(pool, "wait_timeout_ms", 0) or 0))
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """What a replica-confirmed read of one key found."""
+
+    replicas: int  # replicas that hold every write made before the read
+    value: bytes | None  # the key's value on the primary now
+
+
+def confirm(client: Any, key: str, mark_key: str, replication: Replication) -> Confirmation:
+    """WAIT for the replicas, then read `key` back.
+
+    WAIT counts the writes of its own connection, which need not be the one that wrote `key`: so it
+    follows a small write of its own (`mark_key`), which lies after theirs in the replication stream.
+    """
+    with client.pipeline(transaction=False) as pipe:
+        pipe.set(mark_key, b"1", px=60_000)
+        pipe.execute_command("WAIT", replication.replicas, replication.timeout_ms)
+        pipe.get(key)
+        _, replicas, value = pipe.execute()
+    return Confirmation(int(replicas), None if value is None else bytes(value))
+
+
+def backoff(budget_s: float) -> Iterator[float]:
+    """Pauses between tries (0 first, then 0.05 s doubling to 1 s) until `budget_s` is spent."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.0
+    while time.monotonic() + delay <= deadline:
+        yield delay
+        delay = min(max(delay * 2, 0.05), 1.0)

@@ -1,0 +1,153 @@
+"""The cache store on a replicated Redis (a Sentinel URL): a put returns only once a replica holds it.
+
+Real redis-server primary + replica + 3 sentinels on loopback (tests/fleet/sentinel.py), the store's
+client made by producer/redis_url.connect as the worker makes it. Why it matters: a commit the old
+primary acknowledged and had not yet sent to its replica is gone after a failover, and the agent's
+next turn would resume from the turn before without a counted miss (the 20-round queue-failover
+chaos run caught exactly that).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from producer.protocol import agent_fence_key
+from producer.redis_url import connect
+from store.errors import StoreError
+from store.redis_store import RedisStore
+from tests.fleet.sentinel import SentinelTopology, wait_until
+from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+from worker.agent_turns import AgentTurns
+
+pytestmark = [pytest.mark.integration]
+
+AGENT = "replicated"
+
+
+@pytest.fixture
+def topology(tmp_path: Path) -> Iterator[SentinelTopology]:
+    topology = SentinelTopology(tmp_path).start()
+    try:
+        yield topology
+    finally:
+        topology.stop()
+
+
+def _store(topology: SentinelTopology, **url_options: str) -> RedisStore:
+    query = "&".join(f"{k}={v}" for k, v in url_options.items())
+    return RedisStore(f"{topology.url}{'?' + query if query else ''}", tiny_spec(), connect=connect)
+
+
+def _waits(server: Redis) -> int:
+    stats: Any = server.info("commandstats")
+    return int(stats.get("cmdstat_wait", {}).get("calls", 0))
+
+
+def test_a_put_waits_for_the_replica_and_the_replica_holds_the_manifest(topology: SentinelTopology) -> None:
+    store = _store(topology)
+    primary = topology.data(topology.primary_port())
+    replica = topology.data(next(p for p in topology.data_ports if p != topology.primary_port()))
+    before = _waits(primary)
+    cache = make_cache(store.spec, tokens(40, seed=1))
+    assert store.put(AGENT, cache, fence=1)
+    assert _waits(primary) == before + 1
+    manifest = store._mkey(AGENT)
+    assert replica.get(manifest) == primary.get(manifest) is not None
+    assert_same_cache(store.get(AGENT), cache)
+    store.close()
+
+
+def test_wait_0_in_the_url_turns_the_confirmation_off(topology: SentinelTopology) -> None:
+    store = _store(topology, wait="0")
+    primary = topology.data(topology.primary_port())
+    before = _waits(primary)
+    assert store.put(AGENT, make_cache(store.spec, tokens(40, seed=2)), fence=1)
+    assert _waits(primary) == before
+    store.close()
+
+
+def test_a_commit_gone_when_read_back_is_written_again(
+    topology: SentinelTopology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a failover does to a commit the replica had not received: the new primary holds the agent's
+    previous manifest. Simulated by putting that manifest back between the commit and its read-back."""
+    store = _store(topology)
+    older, newer = make_cache(store.spec, tokens(30, seed=3)), make_cache(store.spec, tokens(60, seed=3))
+    assert store.put(AGENT, older, fence=1)
+    primary = topology.data(topology.primary_port())
+    previous = primary.get(store._mkey(AGENT))
+    commit = store._put
+    rolled_back = 0
+
+    def commit_then_roll_back(*args: Any) -> bytes | None:
+        nonlocal rolled_back
+        written = commit(*args)
+        if rolled_back == 0:
+            rolled_back += 1
+            primary.set(store._mkey(AGENT), previous)
+        return written
+
+    monkeypatch.setattr(store, "_put", commit_then_roll_back)
+    assert store.put(AGENT, newer, fence=2)
+    assert rolled_back == 1 and store.stats()["puts_rewritten"] == 1
+    assert_same_cache(store.get(AGENT), newer)
+    store.close()
+
+
+def test_a_put_no_replica_can_confirm_raises_a_store_error_once_its_budget_is_spent(
+    topology: SentinelTopology,
+) -> None:
+    """The replica down: the primary (min-replicas-to-write 1) refuses the put, retried until the budget
+    is spent; the error says why, and the stored cache is the earlier one, untouched."""
+    store = _store(topology)
+    older = make_cache(store.spec, tokens(30, seed=4))
+    assert store.put(AGENT, older, fence=1)
+    replica = next(p for p in topology.data_ports if p != topology.primary_port())
+    topology._by_port[replica].kill()
+    topology._by_port[replica].wait(timeout=10)
+    primary = topology.data(topology.primary_port())
+    wait_until(lambda: int(primary.info("replication")["connected_slaves"]) == 0, 20, "replica still linked")
+    store.failover_budget_s = 1.5
+    with pytest.raises(StoreError, match="not confirmed on the replicas"):
+        store.put(AGENT, make_cache(store.spec, tokens(60, seed=4)), fence=2)
+    assert_same_cache(store.get(AGENT), older)
+    store.close()
+
+
+@pytest.mark.slow
+def test_a_put_during_a_failover_lands_on_the_new_primary(topology: SentinelTopology) -> None:
+    """SENTINEL FAILOVER while a put is sent: the old primary refuses it (NOREPLICAS, READONLY) or the
+    connection drops; the put is retried until the new primary takes it, and then returns."""
+    store = _store(topology)
+    cache = make_cache(store.spec, tokens(50, seed=5))
+    assert store.put(AGENT, make_cache(store.spec, tokens(20, seed=5)), fence=1)
+    switched: list[int] = []
+    switch = threading.Thread(target=lambda: switched.append(topology.failover()))
+    switch.start()
+    old = topology.primary_port()
+    wait_until(lambda: topology.primary_port() != old, 30, "no new primary announced")
+    assert store.put(AGENT, cache, fence=2)
+    switch.join(60)
+    assert switched, "the failover never finished"
+    new_primary = topology.data(switched[0])
+    assert new_primary.get(store._mkey(AGENT)) is not None
+    assert_same_cache(store.get(AGENT), cache)
+    store.close()
+
+
+def test_taking_an_agent_turn_waits_until_a_replica_holds_its_fence(topology: SentinelTopology) -> None:
+    connection = connect(topology.url)
+    turns = AgentTurns(connection, "worker-a", ttl_s=30)
+    primary = topology.data(topology.primary_port())
+    replica = topology.data(next(p for p in topology.data_ports if p != topology.primary_port()))
+    before = _waits(primary)
+    fence = turns.take(AGENT, "job-1", held_here={"job-1"})
+    assert fence == 1
+    assert _waits(primary) == before + 1
+    assert int(replica.get(agent_fence_key(AGENT)) or 0) == fence
