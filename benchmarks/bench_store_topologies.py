@@ -1,9 +1,11 @@
-"""The cache store on one Redis, on 3 independent primaries (the sharded store) and on a 3-primary
-Redis Cluster: put/get throughput as ratios to one Redis, in one run; and what sharding costs in
-bytes stored when agents share a system prompt.
+"""The cache store on one Redis, on 3 independent primaries (the sharded store), on a Sentinel-managed
+primary + replica (with and without `?wait=1`, the replica's confirmation of each put) and on a
+3-primary Redis Cluster: put/get throughput as ratios to one Redis, in one run; and what sharding costs
+in bytes stored when agents share a system prompt.
 
 Run: nice python benchmarks/bench_store_topologies.py [--agents 12] [--tokens 512] [--threads 3]
-Starts its own redis-server processes on free loopback ports (1 + 3 + a 3-node Cluster).
+Starts its own redis-server processes on free loopback ports (1 + 3 + primary, replica and 3 sentinels
++ a 3-node Cluster).
 Writes benchmarks/results/store_topologies.json and prints markdown tables.
 
 Two levels:
@@ -47,6 +49,7 @@ from store.backend import BlockBackend  # noqa: E402
 from store.factory import open_backend  # noqa: E402
 from store.redis_store import MAX_VALUE_BYTES  # noqa: E402
 from store.sharded import agent_route_key, pick  # noqa: E402
+from tests.fleet.sentinel import SentinelTopology  # noqa: E402
 from tests.store.conftest import make_cache, tokens  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "store_topologies.json"
@@ -89,6 +92,7 @@ class Servers:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.topologies: list[SentinelTopology] = []
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("no redis-server on PATH (apt-get install redis-server)")
@@ -134,6 +138,8 @@ class Servers:
         raise RuntimeError("the cluster never reached cluster_state:ok")
 
     def stop(self) -> None:
+        for topology in self.topologies:
+            topology.stop()
         for proc in self.procs:
             proc.kill()
             proc.wait(timeout=10)
@@ -285,14 +291,30 @@ def main() -> None:
         values = [values_of(cache) for cache in caches]
         spread = [pick(shard_names, agent_route_key(a)) for a in agents]
 
+        sentinel = SentinelTopology(workdir / "sentinel").start()
+        servers.topologies.append(sentinel)
         results: dict[str, list[dict[str, float]]] = {
-            k: [] for k in ("store_one", "store_sharded", "raw_one", "raw_sharded", "raw_cluster")
+            k: []
+            for k in (
+                "store_one",
+                "store_sharded",
+                "store_sentinel-wait0",
+                "store_sentinel-wait1",
+                "raw_one",
+                "raw_sharded",
+                "raw_cluster",
+            )
         }
         for _ in range(args.rounds):  # interleaved, so load from other processes hits every topology
             with opened(f"redis://127.0.0.1:{one}/0") as backend:
                 results["store_one"].append(store_round(backend, agents, caches, args.threads))
             with opened(shard_uri) as backend:
                 results["store_sharded"].append(store_round(backend, agents, caches, args.threads))
+            # A primary + replica under Sentinel; wait=1 (the default) confirms each put on the replica.
+            for wait in (0, 1):
+                with opened(f"{sentinel.url}?wait={wait}") as backend:
+                    rounds = results[f"store_sentinel-wait{wait}"]
+                    rounds.append(store_round(backend, agents, caches, args.threads))
             results["raw_one"].append(raw_round(lambda a: single, agents, values, args.threads))
             results["raw_sharded"].append(
                 raw_round(
@@ -303,7 +325,7 @@ def main() -> None:
                 )
             )
             results["raw_cluster"].append(raw_round(lambda a: cluster, agents, values, args.threads))
-            flush([one, *shards, *cluster_ports])
+            flush([one, *shards, *cluster_ports, sentinel.primary_port()])
         medians = {name: median_of(rounds) for name, rounds in results.items()}
         cost = dedup_cost(one, shards, sharers=12, system_tokens=1024, own_tokens=128)
     finally:
@@ -333,7 +355,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for level in ("store", "raw"):
         base = medians[f"{level}_one"]
-        for topo in ("one", "sharded", "cluster"):
+        for topo in ("one", "sharded", "sentinel-wait0", "sentinel-wait1", "cluster"):
             m = medians.get(f"{level}_{topo}")
             if m is None:
                 continue

@@ -109,6 +109,7 @@ BACKEND_COUNTERS = (
     "put_retries",
     "stale_puts",
     "puts_rewritten",  # a replicated commit gone when read back (a failover), written again
+    "puts_unconfirmed",  # on a replicated Redis, kept without a replica's confirmation (none answered)
     "blocks_linked",
     "bytes_saved",
     "cross_agent_hits",

@@ -71,7 +71,14 @@ from store.manifest import (
     stored_fence,
     summarize_manifest,
 )
-from store.replication import FAILOVER_BUDGET_S, REDIS_DOWN, Replication, backoff, confirm
+from store.replication import (
+    FAILOVER_BUDGET_S,
+    REDIS_DOWN,
+    UNREPLICATED_HOLD_S,
+    Replication,
+    backoff,
+    confirm,
+)
 from store.resp import ScatterPacker, ScatterValue, get_into
 
 DEFAULT_PREFIX = "kvrq:cache:"
@@ -167,6 +174,8 @@ class RedisStore(BlockBackend):
         self._scripting: bool | None = None  # whether the server runs Lua (fakeredis without lupa does not)
         self._replication_mark = f"{prefix}replication-mark"
         self.failover_budget_s = FAILOVER_BUDGET_S  # how long a replicated put rides a failover
+        self._failing = False  # the last replicated put spent its budget: one try each until one succeeds
+        self._unreplicated_until = 0.0  # monotonic: until then puts skip the replicas' confirmation
 
     # --- keys ----------------------------------------------------------------------------------
     def _mkey(self, agent_id: str) -> str:
@@ -374,14 +383,23 @@ class RedisStore(BlockBackend):
     def _put_replicated(
         self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str, replication: Replication
     ) -> bool:
-        """`_put`, confirmed on the replicas and read back (store/replication.py says why). A commit
-        gone by then (a failover dropped it) is written again; refused writes and lost connections are
-        retried until the failover budget is spent, then raise StoreError (the worker counts a failed
-        put: its next turn prefills from what the store holds)."""
+        """`_put`, confirmed on the replicas and read back (store/replication.py says why).
+
+        A commit gone by then (a failover dropped it) is written again. Refused writes and lost
+        connections are retried for the failover budget, then raise StoreError (the worker counts a
+        failed put). A primary that answers but that no replica confirms twice (one without replicas
+        since a failover, where `min-replicas-to-write` is off) keeps the put, counted unconfirmed, and
+        the puts of the next UNREPLICATED_HOLD_S skip the confirmation: a shard without a replica stays
+        writable. After a put spent its budget, the next ones get one try each until one succeeds.
+        """
+        if time.monotonic() < self._unreplicated_until:
+            self._stats.add("puts_unconfirmed")
+            return self._put(agent_id, cache, fence, namespace) is not None
         mkey = self._mkey(agent_id)
         written: bytes | None = None
-        failure: str = "no try"
-        for pause in backoff(self.failover_budget_s):
+        failure, unconfirmed = "no try", 0
+        budget = 0.0 if self._failing else self.failover_budget_s
+        for pause in backoff(budget):
             time.sleep(pause)
             try:
                 if written is None:
@@ -392,6 +410,7 @@ class RedisStore(BlockBackend):
             except REDIS_DOWN as exc:
                 failure = f"{type(exc).__name__}: {exc}"
                 continue
+            self._failing = False
             if found.value != written:
                 if fence is not None and found.value is not None and stored_fence(found.value) > fence:
                     return True  # a later turn replaced ours after it was stored
@@ -401,11 +420,21 @@ class RedisStore(BlockBackend):
             elif found.replicas >= replication.replicas:
                 return True
             else:
+                unconfirmed += 1
                 failure = f"{found.replicas} of {replication.replicas} replica(s) confirmed it"
-        raise StoreError(
-            f"put of agent {agent_id!r} not confirmed on the replicas within {self.failover_budget_s:.0f} s"
-            f" ({failure})"
-        )
+                if unconfirmed >= 2:
+                    self._unreplicated_until = time.monotonic() + UNREPLICATED_HOLD_S
+                    self._stats.add("puts_unconfirmed")
+                    log.warning(
+                        "redis: no replica confirmed agent %r's put (%s): kept unconfirmed, and puts "
+                        "skip the confirmation for %.0f s",
+                        agent_id,
+                        failure,
+                        UNREPLICATED_HOLD_S,
+                    )
+                    return True
+        self._failing = True
+        raise StoreError(f"put of agent {agent_id!r} not confirmed on the replicas in time ({failure})")
 
     def _put(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bytes | None:
         """Write the cache's blocks and commit its manifest under the fence; the manifest as stored,

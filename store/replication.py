@@ -22,6 +22,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 #: Sentinel announces a new primary within seconds; with one replica and min-replicas-to-write 1 it
 #: takes writes once the old primary rejoined as its replica (10-20 s).
 FAILOVER_BUDGET_S = 30.0
+#: How long puts skip the confirmation once no replica confirmed one (a primary without replicas).
+UNREPLICATED_HOLD_S = 30.0
 #: Errors worth another try once a failover settles (a refused write is a ConnectionError there).
 REDIS_DOWN: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
 
@@ -63,9 +65,11 @@ def confirm(client: Any, key: str, mark_key: str, replication: Replication) -> C
 
 
 def backoff(budget_s: float) -> Iterator[float]:
-    """Pauses between tries (0 first, then 0.05 s doubling to 1 s) until `budget_s` is spent."""
+    """Pauses before each try: 0 for the first, then 0.05 s doubling to 1 s while `budget_s` lasts
+    (a budget of 0: one try)."""
     deadline = time.monotonic() + budget_s
-    delay = 0.0
+    yield 0.0
+    delay = 0.05
     while time.monotonic() + delay <= deadline:
         yield delay
-        delay = min(max(delay * 2, 0.05), 1.0)
+        delay = min(delay * 2, 1.0)

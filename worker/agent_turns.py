@@ -10,7 +10,8 @@ Three Redis records per agent (keys in producer/protocol.py):
   next job (the hot tier has the cache already);
 - a fence counter, bumped by every taker: the store refuses a put whose fence is older than
   the cache it holds, so a worker that lost its lock (stalled, partitioned) never overwrites
-  a newer cache.
+  a newer cache. On a replicated Redis (a Sentinel URL's `wait`) a turn is used only once a
+  replica holds its lock and fence, so a failover cannot hand one fence to two turns.
 
 A dead worker's locks are freed by whoever notices its death (`release_dead_worker`).
 The remaining race: two workers that dequeue two jobs of one agent within the same few

@@ -71,6 +71,7 @@ from worker.agent_output import (
 )
 from worker.agent_turns import AgentTurns
 from worker.backoff import Backoff
+from worker.confirmed_endings import ConfirmedEndings
 from worker.held import HeldJob
 from worker.jobs import JobRejected, checked_sampling, request_from_job, sampling_of
 from worker.latency import LatencyHistograms
@@ -136,6 +137,7 @@ class WorkerLoop:
         self.step_started = 0.0  # unix time the latest step began
         self.step_cpu = (0.0, 0.0)  # CPU seconds (all threads) of the step before the latest, and the latest
         self.ending: deque[tuple[HeldJob, Outcome]] = deque()
+        self.confirmed = ConfirmedEndings(self.connection)  # kept until a replica holds them
         self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
         #: Jobs without an agent resume from (and feed) the shared prefixes of their namespace, and the
         #: whole caches recent ones left in this worker's memory (token-granular).
@@ -159,6 +161,7 @@ class WorkerLoop:
                 "crash_reruns",
                 "cache_put_failed",
                 "stale_puts",
+                "endings_rewritten",  # dropped by a failover, written again (worker/confirmed_endings.py)
             ),
             0,
         )
@@ -706,11 +709,18 @@ class WorkerLoop:
         self.publisher.flush()
         while self.ending:
             held, outcome = self.ending[0]
-            self._write_ending(held, outcome)
+            written = self._write_ending(held, outcome)
             self.ending.popleft()
+            self.confirmed.written(held, written)
+        for held, outcome in self.confirmed.lost():
+            # The failover dropped these writes: once more, on the new primary.
+            held.end_steps -= {"stream", "rq", "turn"}
+            self.counts["endings_rewritten"] += 1
+            self.ending.append((held, outcome))
 
-    def _write_ending(self, held: HeldJob, outcome: Outcome) -> None:
-        """Cache, stream, rq, agent turn: each step once, even when an outage interrupts them."""
+    def _write_ending(self, held: HeldJob, outcome: Outcome) -> Outcome:
+        """Cache, stream, rq, agent turn: each step once, even when an outage interrupts them. Returns
+        the outcome written (TakenOver where the job turned out to be no longer ours)."""
         steps = held.end_steps
         if "cache" not in steps:
             self._save_cache(held, outcome)
@@ -730,6 +740,9 @@ class WorkerLoop:
         if "turn" not in steps:
             self._end_turn(held, outcome)
             steps.add("turn")
+        if "counted" in steps:
+            return outcome  # written again after a failover: counted and logged the first time
+        steps.add("counted")
         self.counts[_counter(outcome)] += 1
         if not isinstance(outcome, HandedBack | TakenOver):  # those runs go on elsewhere
             completion = outcome.completion if isinstance(outcome, Finished) else None
@@ -739,6 +752,7 @@ class WorkerLoop:
             self.counts["prompt_tokens"] += outcome.completion.usage.prompt_tokens
             self.counts["reused_tokens"] += outcome.completion.usage.reused_tokens
         self._log_ending(held, outcome)
+        return outcome
 
     def _save_cache(self, held: HeldJob, outcome: Outcome) -> None:
         if not isinstance(outcome, Finished):

@@ -177,6 +177,12 @@ class RaggedBackend:
             self._checkpoints[uid] = inherited_checkpoints(cache, reused) if cache is not None else {}
         return uid
 
+    @property
+    def _arena_serves(self) -> bool:
+        """Whether rows keep their K/V in the arena's buffers: plain K/V of one shape in every layer
+        (quantized, windowed or per-layer buffers are made at insert and left to MLX's allocator)."""
+        return self.kv_quant is None and self.spec.all_full_attention
+
     def _capacity(self, n_prompt_tokens: int, max_tokens: int) -> int:
         """Room for the prompt and a block of output; longer outputs grow 256 tokens at a time."""
         return n_prompt_tokens + min(max_tokens, self.spec.block_tokens)
@@ -184,12 +190,12 @@ class RaggedBackend:
     def reserve(self, n_prompt_tokens: int, max_tokens: int) -> bool:
         """The arena's buffers for this sequence, made ahead (engine/kv/arena.py); rows the arena
         does not serve (quantized, sliding, per-layer shapes, SSM state) make their own at insert."""
-        if self.kv_quant is not None or not self.spec.all_full_attention:
+        if not self._arena_serves:
             return False
         return self.arena.reserve(self._capacity(n_prompt_tokens, max_tokens))
 
     def stock(self, n_tokens: Sequence[int]) -> int:
-        if self.kv_quant is not None or not self.spec.all_full_attention:
+        if not self._arena_serves:
             return 0
         made = sum(self.arena.stock(n) for n in n_tokens)
         self.arena.wait_made()
@@ -248,8 +254,8 @@ class RaggedBackend:
         return None
 
     def release(self, kv: FinishedKV) -> None:
-        if self.kv_quant is not None or not self.spec.all_full_attention:
-            return  # quantized, windowed or per-layer buffers are not the arena's: MLX's allocator keeps them
+        if not self._arena_serves:
+            return
         buffers = [(layer.keys, layer.values) for layer in kv.layers]
         if all(
             k is not None and k.shape[2] == round_up(k.shape[2], self.spec.block_tokens) for k, _ in buffers

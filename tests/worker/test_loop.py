@@ -14,7 +14,9 @@ from rq.serializers import JSONSerializer
 from producer.client import JobCanceledError, JobFailedError
 from producer.protocol import JOB_FUNCTION
 from tests.worker.harness import Harness
+from worker.held import HeldJob
 from worker.maintenance import clean_queues
+from worker.outcomes import Outcome
 
 
 @pytest.fixture
@@ -287,3 +289,44 @@ def test_a_stopping_worker_holding_a_job_waits_for_redis_to_hand_it_back() -> No
     runner.join(timeout=30)
     assert not runner.is_alive()
     assert handle.status() == "queued", "handed back once Redis returned"
+
+
+def test_an_ending_a_failover_dropped_is_written_again_once(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a failover does to writes the replica had not received: the new primary holds the state from
+    before them. Simulated by a snapshot of the whole server taken just before the job's ending is
+    written and put back when the loop asks a replica (worker/confirmed_endings.py): the job is STARTED
+    again there, and the loop writes its ending once more, on the "new primary"."""
+    handle = h.producer.submit({"prompt": "x", "max_tokens": 3})
+    snapshot: dict[bytes, bytes] = {}
+    write_ending = h.loop._write_ending
+    dropped: list[tuple[HeldJob, Outcome]] = []
+
+    def snapshot_then_write(held: HeldJob, outcome: Outcome) -> Outcome:
+        if not snapshot and held.id == handle.id:
+            snapshot.update({key: h.redis.dump(key) for key in h.redis.keys("*")})
+            dropped.append((held, outcome))
+        return write_ending(held, outcome)
+
+    def lost_once() -> list[tuple[HeldJob, Outcome]]:
+        if not dropped:
+            return []
+        h.redis.flushall()
+        for key, value in snapshot.items():
+            h.redis.restore(key, 0, value)
+        return [dropped.pop()]
+
+    monkeypatch.setattr(h.loop, "_write_ending", snapshot_then_write)
+    monkeypatch.setattr(h.loop.confirmed, "lost", lost_once)
+    h.run_until(
+        lambda: bool(snapshot) and not dropped and not h.loop.ending and handle.status() == "finished"
+    )
+    assert handle.result(timeout=1).text == "abc"
+    assert h.loop.counts["endings_rewritten"] == 1
+    assert h.loop.counts["finished"] == 1  # counted once
+    events = list(handle.events(timeout=1))
+    assert [e.kind for e in events].count("end") == 1
+    queue = Queue("kvrq", connection=h.redis, serializer=JSONSerializer)
+    assert queue.finished_job_registry.get_job_ids() == [handle.id]
+    assert queue.started_job_registry.get_job_count() == 0
