@@ -252,7 +252,11 @@ class WorkerLoop:
                     log.warning("Redis unreachable while stopping with nothing held (%s): stopping", exc)
                     break
                 delay = self.backoff.next(exc)
-                self.next_crash_check = time.monotonic() + delay + self.settings.liveness_ttl  # peers re-beat
+                # Every liveness key may have expired meanwhile: both checks that re-run dead workers'
+                # jobs (the crash check, and maintenance's) wait until the peers have beaten again.
+                peers_beat = time.monotonic() + delay + self.settings.liveness_ttl
+                self.next_crash_check = peers_beat
+                self.next_maintenance = max(self.next_maintenance, peers_beat)
                 log.warning("Redis unreachable (%s): retry %d in %.1f s", exc, self.backoff.failures, delay)
                 time.sleep(delay)
         self.shutdown()

@@ -22,9 +22,9 @@ class Harness:
         self.store = DictStore()
         self.settings = WorkerSettings(
             heartbeat_interval=0.05,
-            maintenance_interval=3600,
             max_batch=max_batch,
-            **{"scheduler_interval": 0, **settings},  # type: ignore[arg-type]  # fakeredis runs no Lua
+            # fakeredis runs no Lua (the scheduler); maintenance only where a test asks for it
+            **{"scheduler_interval": 0, "maintenance_interval": 3600, **settings},  # type: ignore[arg-type]
         )
         self.loop = self.new_loop()
         self.producer = Producer(connection=fake_redis(self.server))
