@@ -291,6 +291,7 @@ def main() -> None:
         values = [values_of(cache) for cache in caches]
         spread = [pick(shard_names, agent_route_key(a)) for a in agents]
 
+        (workdir / "sentinel").mkdir()
         sentinel = SentinelTopology(workdir / "sentinel").start()
         servers.topologies.append(sentinel)
         results: dict[str, list[dict[str, float]]] = {
