@@ -233,6 +233,11 @@ class WorkerLoop:
         """Run until stopped and drained. Redis outages are waited out with backoff."""
         while True:
             try:
+                if self.backoff.failures:
+                    # Back from an outage: say "alive" before anything else. The liveness key may have
+                    # expired meanwhile, and a job's ending written below could bring its client's
+                    # next request (kvrq serve) before the beacon's next beat: "no live worker".
+                    self.beacon.beat()
                 if self.run_once():
                     break
                 self.backoff.reset()

@@ -16,6 +16,8 @@ from producer.protocol import worker_alive_key
 from tests.worker.chaos_checks import attempts, crash_reruns
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
+from worker.held import HeldJob
+from worker.outcomes import Outcome
 
 
 def test_a_worker_back_from_an_outage_does_not_rerun_its_own_jobs() -> None:
@@ -77,3 +79,42 @@ def test_a_worker_cut_off_and_taken_for_dead_registers_again_when_back() -> None
         cut_off.next_heartbeat = 0.0
         cut_off.run_once()
     assert h.redis.sismember("rq:workers", cut_off.worker.key)
+
+
+def test_a_worker_back_from_an_outage_beats_before_it_writes_an_ending() -> None:
+    """Its key expired during the outage, and its beacon thread may not beat for a while: the loop beats
+    first, so a client whose job ends right after the outage (kvrq serve's next request asks which
+    workers are live) never finds it missing. The harness runs no beacon thread: only the loop beats."""
+    h = Harness()
+    job = h.producer.submit({"prompt": "x", "max_tokens": 200})
+    h.run_until(lambda: h.loop.counts["tokens"] >= 1)
+    key = worker_alive_key(h.loop.worker.name)
+    seen_at_ending: list[int] = []
+    write_ending = h.loop._write_ending
+
+    def ending(held: HeldJob, outcome: Outcome) -> Outcome:
+        seen_at_ending.append(int(h.redis.exists(key)))
+        return write_ending(held, outcome)
+
+    h.loop._write_ending = ending  # type: ignore[method-assign]
+    runner = threading.Thread(target=h.loop.run, daemon=True)
+    h.redis.delete(key)  # as if it expired during the outage
+    h.server.connected = False  # the outage
+    runner.start()
+    time.sleep(0.3)
+    h.server.connected = True
+    try:
+        deadline = time.monotonic() + 5
+        while not h.redis.exists(key):
+            assert time.monotonic() < deadline, "the loop never beat after the outage"
+            time.sleep(0.01)
+        h.producer.handle(job.id).cancel()
+        deadline = time.monotonic() + 5
+        while not seen_at_ending:
+            assert time.monotonic() < deadline, "the job never ended"
+            time.sleep(0.01)
+        assert seen_at_ending == [1]
+    finally:
+        h.loop.request_stop()
+        h.loop.request_stop()
+        runner.join(timeout=10)
