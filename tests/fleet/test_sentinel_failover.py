@@ -246,12 +246,6 @@ def test_a_failover_loses_no_acknowledged_enqueue_and_runs_each_job_once(
 
 
 @pytest.mark.chaos
-@pytest.mark.xfail(
-    reason="open in issue 32: a kvrq serve request in flight across the switch waited past 120 s for a job "
-    "that never ended in 3 of 4 rounds (2026-11-26 morning); 7 of 7 rounds passed after that day's worker "
-    "failover fixes (start, backoff cap, crash check), but the cause of the hangs was not established",
-    strict=False,
-)
 def test_kvrq_serve_rides_a_failover(topology: SentinelTopology, worker: WorkerProcess) -> None:
     failover_round(topology, worker, 0, http=True)
 
