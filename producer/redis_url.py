@@ -208,25 +208,37 @@ def replicas_to_wait(connection: Redis) -> tuple[int, int]:
     return (getattr(pool, "wait_replicas", 0), getattr(pool, "wait_timeout_ms", 0))
 
 
+def read_after_wait(
+    connection: Redis, replicas: int, timeout_ms: int, reads: Callable[[Any], object]
+) -> tuple[int, list[Any]]:
+    """(replicas that hold every write made so far, the replies of `reads`), in one round trip.
+
+    WAIT counts the writes of its own connection, which need not be the one that wrote what matters:
+    so it follows a small write of its own, which lies after theirs in the replication stream.
+    `reads(pipe)` queues the reads to make once WAIT returned.
+    """
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.set(REPLICATION_MARK_KEY, b"1", px=60_000)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        reads(pipe)
+        _, confirmed, *replies = pipe.execute()
+    return int(confirmed), replies
+
+
 def wait_replicated(connection: Redis, keys: Sequence[str]) -> None:
     """Return once `keys` (just written) are on the primary and on the replicas the URL's `wait` asks
     for; raise NotReplicatedError when that cannot be confirmed. A no-op for plain URLs.
 
-    WAIT counts the writes of its own connection, which need not be the one that wrote `keys`: so it
-    follows a small write of its own, which lies after theirs in the replication stream, and then checks
-    that `keys` exist there (a failover in between may have dropped them: then they do not).
+    After the WAIT (`read_after_wait`) it checks that `keys` exist there (a failover in between may
+    have dropped them: then they do not).
     """
     replicas, timeout_ms = replicas_to_wait(connection)
     if replicas <= 0 or not keys:
         return
 
     def confirm() -> tuple[int, int]:
-        with connection.pipeline(transaction=False) as pipe:
-            pipe.set(REPLICATION_MARK_KEY, b"1", px=60_000)
-            pipe.execute_command("WAIT", replicas, timeout_ms)
-            pipe.exists(*keys)
-            _, confirmed, present = pipe.execute()
-        return int(confirmed), int(present)
+        confirmed, (present,) = read_after_wait(connection, replicas, timeout_ms, lambda p: p.exists(*keys))
+        return confirmed, int(present)
 
     confirmed, present = retry_unsent(confirm)
     if present < len(keys):

@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis
 from rq.job import JobStatus
 
-from producer.redis_url import FAILOVER_BUDGET_S, REPLICATION_MARK_KEY, replicas_to_wait
+from producer.redis_url import FAILOVER_BUDGET_S, read_after_wait, replicas_to_wait
 from worker.held import HeldJob
 from worker.outcomes import Failed, Finished, Outcome
 
@@ -68,13 +69,13 @@ class ConfirmedEndings:
         now = time.monotonic()
         if not self._written or now < self._next_try:
             return []
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.set(REPLICATION_MARK_KEY, b"1", px=60_000)
-            pipe.execute_command("WAIT", self.replicas, self.timeout_ms)
+
+        def statuses_of(pipe: Any) -> None:
             for item in self._written:
                 pipe.hget(item.held.job.key, "status")
-            _, confirmed, *statuses = pipe.execute()
-        if int(confirmed) < self.replicas:
+
+        confirmed, statuses = read_after_wait(self.connection, self.replicas, self.timeout_ms, statuses_of)
+        if confirmed < self.replicas:
             expired = [item for item in self._written if now - item.since > FAILOVER_BUDGET_S]
             for item in expired:
                 log.warning(
