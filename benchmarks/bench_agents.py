@@ -62,8 +62,11 @@ restart (`--restart`): the kvrq side's workload on a warm worker, then the worke
 graceful) and a fresh `kvrq worker` process starts on the same disk store; once it has registered, every
 agent takes one more turn at once. Reported: that turn's first token p50 / p90 against the warm worker's
 later-turn p50 in the same run (target: p50 within 1.5x), and against a turn every agent took at once on
-the warm worker just before the restart (the same burst without the restart). restart-nowarmup: the same
-with the fresh worker's engine warm-up off (KVRQ_WARMUP=0), to show what the warm-up buys.
+the warm worker just before the restart (the same burst without the restart), and against the burst's
+median floor: mlx-lm's forward of the model body on the shortest suffixes the median agent's first
+token needs (half the burst's, in one flat call; no history, no intake: a lower bound; median_floor).
+restart-nowarmup: the same with the fresh worker's engine warm-up off (KVRQ_WARMUP=0), to show what the
+warm-up buys.
 
 Every run starts fresh processes on every side (empty caches); the order of the sides alternates
 between runs. Writes benchmarks/results/agents.json.
@@ -326,8 +329,9 @@ def run_restart(args: argparse.Namespace, *, warmup: bool) -> tuple[float, list[
             redis.stop()
 
 
-def restart_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """First tokens of the turn after the restart against the warm worker's later turns (same run)."""
+def restart_summary(rows: list[dict[str, Any]], *, floor: bool = True) -> dict[str, Any] | None:
+    """First tokens of the turn after the restart against the warm worker's later turns (same run);
+    `floor`: with the compute floor of that burst's median (one run's burst only, not pooled runs)."""
     restarted = [r for r in rows if r.get("after_restart")]
     if not restarted:
         return None
@@ -350,7 +354,51 @@ def restart_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         "worker_median_s": worker_medians(restarted),
         "warm_worker_median_s": worker_medians([r for r in rows if r["turn"] >= 2 and not _special(r)]),
         "warm_burst_worker_median_s": worker_medians([r for r in rows if r.get("warm_burst")]),
+        **(median_floor(restarted, warm_p50) if floor else {}),
     }
+
+
+def median_floor(restarted: list[dict[str, Any]], warm_p50: float | None) -> dict[str, Any]:
+    """A lower bound on the burst's median first token, measured here after the workers stopped.
+
+    The k-th first token of a burst needs at least the k shortest suffixes (prompt tokens not
+    resumed) through the model, however a scheduler splits them: the median needs the k = n/2 and
+    n/2 + 1 shortest (n even). The bound is mlx-lm's own forward of the model body on that many tokens
+    in one flat call, best of 3: no attention to the agents' stored history, no head, no job intake,
+    no client, so the real floor is above it."""
+    suffixes = sorted(r["prompt_tokens"] - r["reused_tokens"] for r in restarted)
+    n = len(suffixes)
+    ks = [n // 2, n // 2 + 1] if n % 2 == 0 else [n // 2 + 1]
+    seconds = [body_forward_s(sum(suffixes[:k])) for k in ks]
+    floor_s = statistics.mean(seconds)
+    return {
+        "suffix_tokens": suffixes,
+        "median_floor_tokens": [sum(suffixes[:k]) for k in ks],
+        "median_floor_s": round(floor_s, 3),
+        "median_floor_ratio": round(floor_s / warm_p50, 2) if warm_p50 else None,
+    }
+
+
+_REFERENCE: list[Any] = []
+
+
+def body_forward_s(n_tokens: int, repeats: int = 3) -> float:
+    """Seconds mlx-lm's SmolLM2 body takes on `n_tokens` tokens at once (the builtin model, best of 3)."""
+    import mlx.core as mx
+
+    from engine.models.load import load_model
+
+    if not _REFERENCE:
+        _REFERENCE.append(load_model()[0])
+    body = _REFERENCE[0].model
+    tokens = mx.array([[100 + i % 4000 for i in range(n_tokens)]])
+    mx.eval(body(tokens))  # first use
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        mx.eval(body(tokens))
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def _special(row: dict[str, Any]) -> bool:
@@ -561,7 +609,7 @@ def side_summary(
         / max(1, sum(r["prompt_tokens"] for r in later_rows)),
         "later_worker_median_s": worker_medians(later_rows),
         "aligned_reuse_by_turn": aligned_reuse(rows),
-        "restart": restart_summary(rows),
+        "restart": restart_summary(rows, floor=run > 0),
         "load_average_before": load[0],
         "load_average_after": load[1],
         "rows": rows,
@@ -675,10 +723,10 @@ def print_restarts(runs: list[dict[str, Any]]) -> None:
         return
     print(
         "\n| run | side | restart TTFT p50 / p90 s | warm later-turn TTFT p50 s | ratio p50 / p90 "
-        "| warm burst TTFT p50 s (ratio) | reused after restart "
+        "| warm burst TTFT p50 s (ratio) | median floor s (/ warm later-turn) | reused after restart "
         "| worker: cache load / engine TTFT p50 s (restart; warm) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in restarted:
         x = r["restart"]
         mine, warm = x["worker_median_s"] or {}, x["warm_worker_median_s"] or {}
@@ -686,6 +734,7 @@ def print_restarts(runs: list[dict[str, Any]]) -> None:
             f"| {r['run']} | {r['side']} | {fmt(x['ttft_p50_s'])} / {fmt(x['ttft_p90_s'])} "
             f"| {fmt(x['warm_later_ttft_p50_s'])} | {fmt(x['ratio_p50'])} / {fmt(x['ratio_p90'])} "
             f"| {fmt(x.get('warm_burst_ttft_p50_s'))} ({fmt(x.get('ratio_p50_to_warm_burst'))}) "
+            f"| {fmt(x.get('median_floor_s'))} ({fmt(x.get('median_floor_ratio'))}) "
             f"| {x['reused_share']:.0%} | {split(mine)}; {split(warm)} |"
         )
 

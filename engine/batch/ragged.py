@@ -23,7 +23,8 @@ and each step is ONE forward pass over a flat batch of tokens:
   burst's; a step in which a prompt finishes carries no chunk of an unfinished one (at
   most every other step), so a warm agent's first token comes from a short step; a burst of
   warm suffixes is finished over several steps, as many tokens a step as the learnt step cost
-  says minimises their mean first token (engine/batch/step_cost.py);
+  says minimises their mean first token, or the first step the burst's shortest half where that
+  costs the mean little and saves its median a step (engine/batch/step_cost.py);
   decoding rows get a token every step whatever is being prefilled;
 - on the CPU, a flat batch of 4-16 tokens runs as 16 rows and 20-31 as 32, OpenBLAS's fast
   matmul shapes (engine/cpu/gemm_rows.py): the extra rows attend to nothing, write no K/V and are
@@ -557,7 +558,7 @@ class RaggedBatchGenerator:
         budget = self.prefill_tokens_per_step
         chunks: list[tuple[Row, int]] = []
         held_back = False
-        whole = sum(len(r.pending) for r in prefilling if len(r.pending) <= budget)
+        whole = [len(r.pending) for r in prefilling if len(r.pending) <= budget]
         join_tokens = self.cost.join_tokens(whole) or budget
         finished = 0  # prompt tokens of rows finishing in this step
         for row in sorted(prefilling, key=lambda r: (len(r.pending), r.inserted_step, r.uid)):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine.batch.engine import BlockPoolBatchEngine
-from engine.batch.step_cost import StepCost
+from engine.batch.step_cost import MEDIAN_SLACK, StepCost
 from engine.core.params import SamplingParams
 from tests.engine.test_ragged import make_engine, prompt, run_all, saved_cache, tokens_of
 from tests.engine.tiny import tiny_model
@@ -26,11 +26,11 @@ class Step:
 
 def test_no_bound_until_both_parts_of_the_cost_are_known() -> None:
     cost = StepCost()
-    assert cost.join_tokens(200) is None
+    assert cost.join_tokens([20] * 10) is None
     cost.record(Step(prompt_tokens=100, decode_rows=0, forward_s=0.5))  # no fixed part yet to take off
-    assert cost.join_tokens(200) is None
+    assert cost.join_tokens([20] * 10) is None
     cost.record(Step(prompt_tokens=0, decode_rows=8, forward_s=0.06))
-    assert cost.join_tokens(200) is None
+    assert cost.join_tokens([20] * 10) is None
 
 
 def test_the_bound_is_the_square_root_of_fixed_over_per_token_times_what_waits() -> None:
@@ -38,7 +38,8 @@ def test_the_bound_is_the_square_root_of_fixed_over_per_token_times_what_waits()
     cost.record(Step(prompt_tokens=0, decode_rows=8, forward_s=0.06))
     cost.record(Step(prompt_tokens=100, decode_rows=8, forward_s=0.06 + 100 * 0.0045))
     assert cost.fixed_s == pytest.approx(0.06) and cost.per_token_s == pytest.approx(0.0045)
-    assert cost.join_tokens(240) == math.ceil(math.sqrt(0.06 * 240 / 0.0045))  # 57: ~3 suffixes of 20
+    # 57: ~3 suffixes of 20; the median's 7 (140 tokens) would cost the mean 14% (over MEDIAN_SLACK)
+    assert cost.join_tokens([20] * 12) == math.ceil(math.sqrt(0.06 * 240 / 0.0045))
     cost.record(Step(prompt_tokens=8, decode_rows=8, forward_s=9.0))  # too few tokens to count
     assert cost.per_token_s == pytest.approx(0.0045)
 
@@ -48,7 +49,29 @@ def test_cheap_prompt_tokens_leave_the_whole_burst_in_one_step() -> None:
     cost = StepCost()
     cost.record(Step(prompt_tokens=0, decode_rows=8, forward_s=0.015))
     cost.record(Step(prompt_tokens=200, decode_rows=8, forward_s=0.015 + 200 * 0.00005))
-    assert (cost.join_tokens(240) or 0) >= 240
+    assert (cost.join_tokens([20] * 12) or 0) >= 240
+
+
+def test_the_first_step_finishes_the_medians_half_where_the_mean_barely_moves() -> None:
+    """Twelve agents returning at once on the 2-core CPU (suffixes and costs measured there): the
+    mean's least J is 4 suffixes, so the median agent waited for a second step; the shortest 7 (its
+    first step) cost the mean under MEDIAN_SLACK more."""
+    cost = StepCost()
+    cost.fixed_s, cost.per_token_s = 0.04, 0.0019
+    suffixes = [26, 18, 19, 22, 19, 25, 19, 22, 18, 22, 23, 19]
+    least = math.ceil(math.sqrt(0.04 * sum(suffixes) / 0.0019))
+    assert least == 73
+    half = sum(sorted(suffixes)[:7])
+    assert cost.join_tokens(suffixes) == half == 134
+    slower = cost.mean_first_token_s(half, sum(suffixes)) / cost.mean_first_token_s(least, sum(suffixes))
+    assert 1 < slower <= 1 + MEDIAN_SLACK
+
+
+def test_a_burst_too_large_for_its_half_in_one_step_keeps_the_means_bound() -> None:
+    """A hundred agents at once: half of them in the first step would cost the mean ~25%."""
+    cost = StepCost()
+    cost.fixed_s, cost.per_token_s = 0.04, 0.0019
+    assert cost.join_tokens([20] * 100) == math.ceil(math.sqrt(0.04 * 2000 / 0.0019))  # 206
 
 
 def first_token_steps(engine: BlockPoolBatchEngine, uids: list[int]) -> tuple[list[int], list[list[int]]]:
@@ -75,7 +98,7 @@ def test_a_burst_of_warm_joiners_is_split_shortest_first_without_changing_a_toke
             caches = [saved_cache(engine, 100 + 20 * i) for i in range(len(suffixes))]
             generator = engine._backend.generator  # type: ignore[attr-defined]
             cost = StepCost()
-            if split:  # a step's fixed part worth ~10 prompt tokens for 44 waiting: ~21 tokens a step
+            if split:  # a step's fixed part worth ~10 prompt tokens for 44 waiting: the shortest 3, then 1
                 cost.fixed_s, cost.per_token_s = 0.01, 0.001
             monkeypatch.setattr(cost, "record", lambda step: None)
             generator.cost = cost
