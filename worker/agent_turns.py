@@ -13,19 +13,29 @@ Three Redis records per agent (keys in producer/protocol.py):
   a newer cache. On a replicated Redis (a Sentinel URL's `wait`) a turn is used only once a
   replica holds its lock and fence, so a failover cannot hand one fence to two turns.
 
-A dead worker's locks are freed by whoever notices its death (`release_dead_worker`).
+A dead worker's locks are freed by whoever notices its death (`release_dead_worker`). On a
+replicated Redis a release is confirmed like a job's ending (worker/confirmed_endings.py): a failover
+that dropped it would leave the agent's next turn waiting out the lock's TTL (90 s by default), so a
+release found undone on the new primary is made again (`confirm_releases`).
 The remaining race: two workers that dequeue two jobs of one agent within the same few
 milliseconds may both see the line before the earlier one has joined it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from typing import Any
+
 from redis import Redis
 from redis.exceptions import WatchError
 from rq.job import Job, JobStatus
 
 from producer.protocol import agent_fence_key, agent_jobs_key, agent_lock_key, worker_agents_key
-from producer.redis_url import wait_replicated
+from producer.redis_url import FAILOVER_BUDGET_S, read_after_wait, replicas_to_wait, wait_replicated
+from worker.confirmed_endings import CONFIRM_WAIT_MS, RETRY_AFTER_S
+
+log = logging.getLogger("kvrq.worker")
 
 _ENDED = {None, JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 
@@ -36,6 +46,10 @@ class AgentTurns:
         self.owner = owner
         self.ttl_ms = int(ttl_s * 1000)
         self._locks: dict[str, str] = {}  # agent -> job id holding its lock from this worker
+        self.replicas, timeout_ms = replicas_to_wait(connection)
+        self.confirm_timeout_ms = min(timeout_ms, CONFIRM_WAIT_MS)
+        self._released: list[tuple[str, str, float]] = []  # (agent, job id, monotonic) to confirm
+        self._next_confirm = 0.0
 
     def _token(self, job_id: str) -> str:
         return f"{self.owner}/{job_id}"
@@ -111,10 +125,43 @@ class AgentTurns:
                     pipe.delete(key)
                     pipe.srem(worker_agents_key(self.owner), agent_id)
                     pipe.execute()
+                    if self.replicas > 0:
+                        self._released.append((agent_id, job_id, time.monotonic()))
             except WatchError:
                 pass  # it changed hands meanwhile: not ours to delete
         if self._locks.get(agent_id) == job_id:
             del self._locks[agent_id]
+
+    def confirm_releases(self) -> int:
+        """Make again the lock releases a failover dropped (the lock is ours again on the new primary,
+        though this worker let it go); how many. 0 while no replica confirms (asked again later, for
+        FAILOVER_BUDGET_S). Raises redis-py's ConnectionError when Redis is away."""
+        now = time.monotonic()
+        if not self._released or now < self._next_confirm:
+            return 0
+        pending = list(self._released)
+
+        def locks_of(pipe: Any) -> None:
+            for agent_id, _, _ in pending:
+                pipe.get(agent_lock_key(agent_id))
+
+        confirmed, values = read_after_wait(self.connection, self.replicas, self.confirm_timeout_ms, locks_of)
+        if confirmed < self.replicas:
+            self._released = [item for item in self._released if now - item[2] <= FAILOVER_BUDGET_S]
+            self._next_confirm = now + RETRY_AFTER_S
+            return 0
+        self._released = self._released[len(pending) :]
+        again = 0
+        for (agent_id, job_id, _), value in zip(pending, values, strict=True):
+            if _text(value) == self._token(job_id) and self._locks.get(agent_id) != job_id:
+                log.warning(
+                    "agent %s: the release of job %s's turn was gone after a failover: again",
+                    agent_id,
+                    job_id,
+                )
+                self.release(agent_id, job_id)
+                again += 1
+        return again
 
     def refresh(self) -> list[str]:
         """Renew every lock this worker holds; the agents whose lock is no longer ours are returned."""

@@ -162,6 +162,7 @@ class WorkerLoop:
                 "cache_put_failed",
                 "stale_puts",
                 "endings_rewritten",  # dropped by a failover, written again (worker/confirmed_endings.py)
+                "releases_rewritten",  # agent-turn releases a failover dropped, made again (agent_turns.py)
             ),
             0,
         )
@@ -726,6 +727,7 @@ class WorkerLoop:
             held.end_steps -= {"stream", "rq", "turn"}
             self.counts["endings_rewritten"] += 1
             self.ending.append((held, outcome))
+        self.counts["releases_rewritten"] += self.turns.confirm_releases()
 
     def _write_ending(self, held: HeldJob, outcome: Outcome) -> Outcome:
         """Cache, stream, rq, agent turn: each step once, even when an outage interrupts them. Returns

@@ -22,7 +22,7 @@ from redis import Redis
 from rq.job import Job
 
 from engine.core.results import Completion
-from producer.protocol import JOB_FUNCTION, agent_fence_key
+from producer.protocol import JOB_FUNCTION, agent_fence_key, agent_lock_key
 from producer.redis_url import connect
 from store.errors import StoreError
 from store.redis_store import RedisStore
@@ -268,3 +268,32 @@ def test_endings_on_a_plain_redis_are_not_asked_about(redis_url: str) -> None:
     endings = ConfirmedEndings(connection)
     endings.written(_held(connection, "plain"), Failed("x", "y", retry=False))
     assert endings.lost() == []
+
+
+def test_a_turn_release_is_asked_about_on_a_replica_and_made_again_where_dropped(
+    topology: SentinelTopology,
+) -> None:
+    """Two agents' turns released; on the primary one lock is put back as a failover that dropped its
+    release leaves it. One WAIT asks about both: only that one is released again."""
+    connection = connect(topology.url)
+    primary = topology.data(topology.primary_port())
+    turns = AgentTurns(connection, "worker-r", ttl_s=30)
+    for agent in ("kept-release", "dropped-release"):
+        turns.take(agent, f"job-{agent}", held_here=set())
+        turns.release(agent, f"job-{agent}")
+    primary.set(agent_lock_key("dropped-release"), "worker-r/job-dropped-release", px=30_000)
+    before = _waits(primary)
+    assert turns.confirm_releases() == 1
+    assert _waits(primary) == before + 1  # one WAIT for both
+    assert not primary.exists(agent_lock_key("dropped-release"))
+    assert turns.confirm_releases() == 0  # the release made again is asked about in its turn
+    assert _waits(primary) == before + 2
+    assert turns.confirm_releases() == 0 and _waits(primary) == before + 2  # nothing left to ask
+
+
+def test_turn_releases_on_a_plain_redis_are_not_asked_about(redis_url: str) -> None:
+    turns = AgentTurns(connect(redis_url), "worker-plain", ttl_s=30)
+    turns.take("plain-agent", "job-1", held_here=set())
+    turns.release("plain-agent", "job-1")
+    assert turns.confirm_releases() == 0
+    assert not turns._released

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from rq import Queue
@@ -12,7 +13,8 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from producer.client import JobCanceledError, JobFailedError
-from producer.protocol import JOB_FUNCTION
+from producer.protocol import JOB_FUNCTION, agent_lock_key
+from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
 from worker.held import HeldJob
 from worker.maintenance import clean_queues
@@ -330,3 +332,48 @@ def test_an_ending_a_failover_dropped_is_written_again_once(
     queue = Queue("kvrq", connection=h.redis, serializer=JSONSerializer)
     assert queue.finished_job_registry.get_job_ids() == [handle.id]
     assert queue.started_job_registry.get_job_count() == 0
+
+
+def test_an_agent_turn_release_a_failover_dropped_is_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failover that kept a job's ending but dropped its agent lock's release (the release comes
+    after the ending in the replication stream): the new primary holds the lock for a job that ended.
+    Simulated by a snapshot taken just before the release, put back when the loop asks a replica. The
+    loop releases again, so the agent's next turn, on another worker, starts at once instead of
+    waiting out the lock's TTL (90 s)."""
+    h = Harness(affinity=False)  # the next turn may land on the other worker
+    h.loop.turns.replicas = 1  # as on a Sentinel URL's `wait=1`
+    snapshot: dict[bytes, bytes] = {}
+    failovers: list[bool] = []
+    release = h.loop.turns.release
+
+    def snapshot_then_release(agent_id: str, job_id: str) -> None:
+        if not snapshot:
+            snapshot.update({key: h.redis.dump(key) for key in h.redis.keys("*")})
+        release(agent_id, job_id)
+
+    def read_after_failover(
+        connection: Any, replicas: int, timeout_ms: int, reads: Any
+    ) -> tuple[int, list[Any]]:
+        if snapshot and not failovers:
+            failovers.append(True)
+            h.redis.flushall()
+            for key, value in snapshot.items():
+                h.redis.restore(key, 0, value)
+        with connection.pipeline(transaction=False) as pipe:
+            reads(pipe)
+            return 1, pipe.execute()
+
+    monkeypatch.setattr(h.loop.turns, "release", snapshot_then_release)
+    monkeypatch.setattr("worker.agent_turns.read_after_wait", read_after_failover)
+    first = h.producer.submit({"agent_id": "A", "prompt": "x", "max_tokens": 3})
+    h.run_until(lambda: bool(failovers) and first.status() == "finished" and not h.loop.turns._released)
+    assert h.loop.counts["releases_rewritten"] == 1
+    assert not h.redis.exists(agent_lock_key("A"))
+    other = h.new_loop(FakeEngine())
+    second = h.producer.submit({"agent_id": "A", "prompt": "xy", "max_tokens": 2})
+    for _ in range(100):
+        other.beacon.beat()
+        other.run_once()
+        if second.status() == "finished":
+            break
+    assert second.status() == "finished", "the next turn waits for the lock's TTL"
