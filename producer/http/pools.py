@@ -3,6 +3,12 @@
 Each kvrq worker writes the model it runs into its rq worker hash (protocol.MODEL_FIELD) and listens
 on its shared queue(s) plus a queue of its own (affinity); a pool is the live workers of one model,
 and its queue is the shared queue they listen on (`kvrq` where they listen on several).
+
+A Redis failover's write pause (Sentinel: until the old primary rejoins, 15-30 s) outlasts a worker's
+liveness key (10 s): its workers look gone although they are still registered with rq and come back
+as soon as writes resume. A model seen live within LAPSED_GRACE_S whose workers are registered but
+lapsed is therefore still served (its requests wait for them) rather than answered 503; workers that
+left (unregistered) or lapsed for longer get the 503.
 """
 
 from __future__ import annotations
@@ -13,15 +19,19 @@ from collections import Counter
 from dataclasses import dataclass
 
 from redis import Redis
+from rq import Worker
 
 from producer.http.errors import APIError
-from producer.liveness import all_live_workers
-from producer.protocol import DEFAULT_QUEUE, MODEL_FIELD, shared_queue_of
+from producer.liveness import alive, all_live_workers
+from producer.protocol import DEFAULT_QUEUE, MODEL_FIELD, SERIALIZER, shared_queue_of
+from producer.redis_url import FAILOVER_BUDGET_S
 
 #: Seconds a reading of the pools is reused (each reading lists the workers: a few Redis round trips).
 POOLS_TTL_S = 1.0
 #: Retry-After (seconds) when a model's workers are all gone: a worker restarting takes about this long.
 RETRY_AFTER_S = 5
+#: Seconds after a model was last seen live during which its registered, lapsed workers still serve it.
+LAPSED_GRACE_S = FAILOVER_BUDGET_S
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,20 @@ def served_pools(connection: Redis) -> dict[str, Pool]:
     return {model: Pool(model, _queue_of(queues[model]), counts[model]) for model in sorted(counts)}
 
 
+def lapsed_models(connection: Redis) -> set[str]:
+    """Models of kvrq workers still registered with rq whose liveness key is gone."""
+    registered = Worker.all(connection=connection, serializer=SERIALIZER)
+    live = {worker.name for worker in alive(connection, registered)}
+    lapsed = [worker for worker in registered if worker.name not in live]
+    if not lapsed:
+        return set()
+    with connection.pipeline(transaction=False) as pipe:
+        for worker in lapsed:
+            pipe.hget(worker.key, MODEL_FIELD)
+        models = pipe.execute()
+    return {m.decode() if isinstance(m, bytes) else str(m) for m in models if m}
+
+
 def _queue_of(queues: Counter[str]) -> str:
     """The pool's queue: the default one where its workers listen there, else the one most of them do."""
     if DEFAULT_QUEUE in queues:
@@ -67,6 +91,7 @@ class PoolDirectory:
         self._read_at = float("-inf")
         self._pools: dict[str, Pool] = {}
         self.seen: set[str] = set()
+        self._live_at: dict[str, tuple[Pool, float]] = {}  # model -> its pool when last seen live, when
 
     def pools(self) -> dict[str, Pool]:
         with self._lock:
@@ -74,6 +99,7 @@ class PoolDirectory:
                 self._pools = served_pools(self.connection)
                 self._read_at = time.monotonic()
                 self.seen |= set(self._pools)
+                self._live_at.update({model: (pool, self._read_at) for model, pool in self._pools.items()})
             return dict(self._pools)
 
     def resolve(self, model: str | None) -> Pool:
@@ -82,6 +108,9 @@ class PoolDirectory:
         if model is not None and model in pools:
             return pools[model]
         if not pools or (model is not None and model in self.seen):
+            lapsed = self._lapsed(model)
+            if lapsed is not None:
+                return lapsed
             what = "any model" if model is None else f"model {model!r}"
             raise APIError(
                 503,
@@ -100,3 +129,14 @@ class PoolDirectory:
             code="model_not_found",
             param="model",
         )
+
+    def _lapsed(self, model: str | None) -> Pool | None:
+        """The pool of `model` (None: the one model seen lately) if it was live within LAPSED_GRACE_S
+        and its workers are registered but lapsed (a failover's write pause), else None."""
+        now = time.monotonic()
+        recent = {m: pool for m, (pool, at) in self._live_at.items() if now - at <= LAPSED_GRACE_S}
+        if model is None and len(recent) == 1:
+            model = next(iter(recent))
+        if model not in recent or model not in lapsed_models(self.connection):
+            return None
+        return recent[model]

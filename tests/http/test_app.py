@@ -7,12 +7,16 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from redis import Redis
 
 from producer.http import pools
 from producer.http.app import ServeSettings, create_app
+from producer.http.errors import APIError
 from producer.http.guard import load_keys
 from producer.http.pools import Pool, PoolDirectory
+from producer.protocol import CAPACITY_FIELD, MODEL_FIELD, worker_alive_key
 from tests.producer.fakes import fake_redis
+from worker.rqexec import KvrqWorker
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 MESSAGES = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -128,3 +132,36 @@ def test_unknown_routes_answer_in_the_apis_shape() -> None:
         answer = http.get("/v1/chat/completions")
         assert answer.status_code == 405 and "error" in answer.json()
         assert http.post("/v1/embeddings", json={}).json()["error"]["type"] == "invalid_request_error"
+
+
+def _registered_worker(connection: Redis, name: str) -> KvrqWorker:
+    """A kvrq worker as `kvrq serve` sees one: registered with rq, its model and capacity written,
+    its liveness key set."""
+    worker = KvrqWorker(["kvrq"], connection=connection, name=name)
+    worker.register_birth()
+    connection.hset(worker.key, mapping={MODEL_FIELD: "smollm2-135m", CAPACITY_FIELD: 4})
+    connection.set(worker_alive_key(name), 1)
+    return worker
+
+
+def test_a_model_whose_workers_lapsed_but_stay_registered_is_served_for_the_grace() -> None:
+    """A failover's write pause outlasts the workers' liveness keys but not their rq registration:
+    requests wait for them (no 503) for LAPSED_GRACE_S after the model was last seen live; workers
+    that left (unregistered) get the 503 at once."""
+    connection = fake_redis()
+    worker = _registered_worker(connection, "w1")
+    directory = PoolDirectory(connection, ttl_s=0.0)
+    assert directory.resolve("smollm2-135m").queue == "kvrq"
+    connection.delete(worker_alive_key("w1"))  # lapsed in the pause; still registered
+    assert directory.resolve("smollm2-135m").queue == "kvrq"
+    assert directory.resolve(None).model == "smollm2-135m"
+    pool, seen = directory._live_at["smollm2-135m"]
+    directory._live_at["smollm2-135m"] = (pool, seen - pools.LAPSED_GRACE_S - 1)
+    with pytest.raises(APIError) as caught:
+        directory.resolve("smollm2-135m")
+    assert caught.value.status == 503
+    directory._live_at["smollm2-135m"] = (pool, seen)
+    worker.register_death()  # left: unregistered
+    with pytest.raises(APIError) as caught:
+        directory.resolve("smollm2-135m")
+    assert caught.value.status == 503
