@@ -176,6 +176,10 @@ READ_RETRY: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutErr
 #: How long `retry_unsent` keeps trying. Sentinel announces a new primary within seconds; with one replica
 #: and min-replicas-to-write 1 it takes writes once the old primary rejoins as its replica (10-20 s).
 FAILOVER_BUDGET_S = 30.0
+#: A worker's confirmations of what it wrote (job endings, agent-turn releases): the longest one WAIT may
+#: hold its loop (a replica lagging past it is asked again later), and the pause before asking again.
+CONFIRM_WAIT_MS = 500
+CONFIRM_RETRY_S = 1.0
 
 
 def retry_unsent(

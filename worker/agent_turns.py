@@ -32,8 +32,14 @@ from redis.exceptions import WatchError
 from rq.job import Job, JobStatus
 
 from producer.protocol import agent_fence_key, agent_jobs_key, agent_lock_key, worker_agents_key
-from producer.redis_url import FAILOVER_BUDGET_S, read_after_wait, replicas_to_wait, wait_replicated
-from worker.confirmed_endings import CONFIRM_WAIT_MS, RETRY_AFTER_S
+from producer.redis_url import (
+    CONFIRM_RETRY_S,
+    CONFIRM_WAIT_MS,
+    FAILOVER_BUDGET_S,
+    read_after_wait,
+    replicas_to_wait,
+    wait_replicated,
+)
 
 log = logging.getLogger("kvrq.worker")
 
@@ -148,7 +154,7 @@ class AgentTurns:
         confirmed, values = read_after_wait(self.connection, self.replicas, self.confirm_timeout_ms, locks_of)
         if confirmed < self.replicas:
             self._released = [item for item in self._released if now - item[2] <= FAILOVER_BUDGET_S]
-            self._next_confirm = now + RETRY_AFTER_S
+            self._next_confirm = now + CONFIRM_RETRY_S
             return 0
         self._released = self._released[len(pending) :]
         again = 0

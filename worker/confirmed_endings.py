@@ -18,16 +18,17 @@ from typing import Any
 from redis import Redis
 from rq.job import JobStatus
 
-from producer.redis_url import FAILOVER_BUDGET_S, read_after_wait, replicas_to_wait
+from producer.redis_url import (
+    CONFIRM_RETRY_S,
+    CONFIRM_WAIT_MS,
+    FAILOVER_BUDGET_S,
+    read_after_wait,
+    replicas_to_wait,
+)
 from worker.held import HeldJob
 from worker.outcomes import Failed, Finished, Outcome
 
 log = logging.getLogger("kvrq.worker")
-
-#: The longest one confirmation may hold the loop (a replica that lags past it is asked again later).
-CONFIRM_WAIT_MS = 500
-#: Pause before asking again about endings a replica did not confirm.
-RETRY_AFTER_S = 1.0
 
 
 @dataclass
@@ -82,7 +83,7 @@ class ConfirmedEndings:
                     "job %s: its ending was never confirmed on a replica: no longer asked", item.held.id
                 )
             self._written = [item for item in self._written if item not in expired]
-            self._next_try = now + RETRY_AFTER_S
+            self._next_try = now + CONFIRM_RETRY_S
             return []
         found = [
             (item, status.decode() if isinstance(status, bytes) else status)
