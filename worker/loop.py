@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq.exceptions import DequeueTimeout
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
@@ -340,16 +339,7 @@ class WorkerLoop:
         return self._dequeue_from(self.worker.queues, self.idle_wait_s if block else None)
 
     def _dequeue_from(self, queues: list[Queue], timeout: int | None = None) -> tuple[Job, Queue] | None:
-        try:
-            return Queue.dequeue_any(
-                queues,
-                timeout,
-                connection=self.connection,
-                job_class=self.worker.job_class,
-                serializer=self.worker.serializer,
-            )
-        except DequeueTimeout:
-            return None
+        return rqexec.dequeue(self.worker, queues, timeout)
 
     def _take(self, job: Job, queue: Queue) -> None:
         """A dequeued job: dropped if canceled meanwhile, rejected if invalid, held otherwise."""

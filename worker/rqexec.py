@@ -29,14 +29,14 @@ from redis.client import PubSub, PubSubWorkerThread
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rq.callbacks import execute_failure_callback, execute_stopped_callback, execute_success_callback
 from rq.command import parse_payload
-from rq.exceptions import AbandonedJobError, InvalidJobOperation
+from rq.exceptions import AbandonedJobError, DequeueTimeout, InvalidJobOperation, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 from rq.serializers import resolve_serializer
 from rq.timeouts import BaseDeathPenalty, JobTimeoutException, TimerDeathPenalty, UnixSignalDeathPenalty
-from rq.utils import now
+from rq.utils import as_text, get_version, now
 from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
@@ -125,6 +125,38 @@ class KvrqWorker(BaseWorker):
             "command listener: Redis unreachable (%s): retrying in %.0f s", exc, COMMAND_LISTENER_RETRY_S
         )
         time.sleep(COMMAND_LISTENER_RETRY_S)
+
+
+def dequeue(worker: KvrqWorker, queues: list[Queue], timeout: int | None) -> tuple[Job, Queue] | None:
+    """The first job of `queues` (in order), or None; `timeout`: seconds to block while all are empty.
+
+    Without a timeout each queue is tried with LMOVE into rq's intermediate queue, where rq's own
+    `dequeue_any` uses LPOP as soon as a worker listens on several queues (a kvrq worker always
+    does: its own queue and the shared one). A job popped by LPOP whose start then fails (Redis
+    going away between the two: a failover's CLIENT KILL) is in no list at all, QUEUED with
+    nobody to run it; one moved by LMOVE stays in the intermediate queue, and maintenance puts it
+    back on its queue after a minute. The blocking wait (an idle worker) is still rq's BLPOP."""
+    if timeout is None and len(queues) > 1 and get_version(worker.connection) >= (6, 2, 0):
+        for queue in queues:
+            while (moved := Queue.lmove(worker.connection, queue.key, None)) is not None:
+                job_id = as_text(moved[1])
+                try:
+                    return worker.job_class.fetch(
+                        job_id, connection=worker.connection, serializer=worker.serializer
+                    ), queue
+                except NoSuchJobError:
+                    queue.intermediate_queue.remove(job_id)  # deleted while queued, as rq skips it
+        return None
+    try:
+        return Queue.dequeue_any(
+            queues,
+            timeout,
+            connection=worker.connection,
+            job_class=worker.job_class,
+            serializer=worker.serializer,
+        )
+    except DequeueTimeout:
+        return None
 
 
 def start_job(worker: KvrqWorker, job: Job, queue: Queue) -> Execution:

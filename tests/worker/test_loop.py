@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -16,6 +17,7 @@ from producer.client import JobCanceledError, JobFailedError
 from producer.protocol import JOB_FUNCTION, agent_lock_key
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
+from worker import rqexec
 from worker.held import HeldJob
 from worker.maintenance import clean_queues
 from worker.outcomes import Outcome
@@ -377,3 +379,34 @@ def test_an_agent_turn_release_a_failover_dropped_is_made_again(monkeypatch: pyt
         if second.status() == "finished":
             break
     assert second.status() == "finished", "the next turn waits for the lock's TTL"
+
+
+def test_a_job_whose_start_fails_after_its_dequeue_is_not_lost(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis goes away between a job's dequeue and its start (a failover's CLIENT KILL): the job is in
+    rq's intermediate queue, not in no list at all (rq's LPOP for several queues lost it: QUEUED, in
+    no queue, nobody to run it; the 20-round failover chaos run met it), and maintenance puts it back
+    on its queue once it has been stranded there a minute."""
+    assert len(h.loop.worker.queues) == 2  # its own queue and the shared one: the LMOVE path
+    handle = h.producer.submit({"prompt": "x", "max_tokens": 3})
+    start_job = rqexec.start_job
+    failures: list[str] = []
+
+    def start_fails_once(worker: Any, job: Job, queue: Queue) -> Any:
+        if not failures:
+            failures.append(job.id)
+            raise RedisConnectionError("Connection closed by server.")
+        return start_job(worker, job, queue)
+
+    monkeypatch.setattr(rqexec, "start_job", start_fails_once)
+    with pytest.raises(RedisConnectionError):
+        h.loop.run_once()
+    queue = Queue("kvrq", connection=h.redis, serializer=JSONSerializer)
+    assert failures == [handle.id] and handle.status() == "queued"
+    assert queue.get_job_ids() == [] and queue.intermediate_queue.get_job_ids() == [handle.id]
+    intermediate = queue.intermediate_queue
+    h.redis.set(intermediate.get_first_seen_key(handle.id), time.time() - 120)  # stranded a while
+    assert clean_queues(h.redis, ["kvrq"]).rescued == {"kvrq": [handle.id]}
+    h.run_until(lambda: handle.status() == "finished")
+    assert handle.result(timeout=1).text == "abc"
