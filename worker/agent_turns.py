@@ -24,22 +24,14 @@ milliseconds may both see the line before the earlier one has joined it.
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any
 
 from redis import Redis
 from redis.exceptions import WatchError
 from rq.job import Job, JobStatus
 
 from producer.protocol import agent_fence_key, agent_jobs_key, agent_lock_key, worker_agents_key
-from producer.redis_url import (
-    CONFIRM_RETRY_S,
-    CONFIRM_WAIT_MS,
-    FAILOVER_BUDGET_S,
-    read_after_wait,
-    replicas_to_wait,
-    wait_replicated,
-)
+from producer.redis_url import wait_replicated
+from worker.replica_reads import ReplicaReads
 
 log = logging.getLogger("kvrq.worker")
 
@@ -52,10 +44,9 @@ class AgentTurns:
         self.owner = owner
         self.ttl_ms = int(ttl_s * 1000)
         self._locks: dict[str, str] = {}  # agent -> job id holding its lock from this worker
-        self.replicas, timeout_ms = replicas_to_wait(connection)
-        self.confirm_timeout_ms = min(timeout_ms, CONFIRM_WAIT_MS)
-        self._released: list[tuple[str, str, float]] = []  # (agent, job id, monotonic) to confirm
-        self._next_confirm = 0.0
+        self._released: ReplicaReads[tuple[str, str]] = ReplicaReads(
+            connection, lambda released: f"agent {released[0]}'s release by job {released[1]}"
+        )  # (agent, job id) released, until a replica confirms it
 
     def _token(self, job_id: str) -> str:
         return f"{self.owner}/{job_id}"
@@ -131,8 +122,7 @@ class AgentTurns:
                     pipe.delete(key)
                     pipe.srem(worker_agents_key(self.owner), agent_id)
                     pipe.execute()
-                    if self.replicas > 0:
-                        self._released.append((agent_id, job_id, time.monotonic()))
+                    self._released.add((agent_id, job_id))
             except WatchError:
                 pass  # it changed hands meanwhile: not ours to delete
         if self._locks.get(agent_id) == job_id:
@@ -140,25 +130,11 @@ class AgentTurns:
 
     def confirm_releases(self) -> int:
         """Make again the lock releases a failover dropped (the lock is ours again on the new primary,
-        though this worker let it go); how many. 0 while no replica confirms (asked again later, for
-        FAILOVER_BUDGET_S). Raises redis-py's ConnectionError when Redis is away."""
-        now = time.monotonic()
-        if not self._released or now < self._next_confirm:
-            return 0
-        pending = list(self._released)
-
-        def locks_of(pipe: Any) -> None:
-            for agent_id, _, _ in pending:
-                pipe.get(agent_lock_key(agent_id))
-
-        confirmed, values = read_after_wait(self.connection, self.replicas, self.confirm_timeout_ms, locks_of)
-        if confirmed < self.replicas:
-            self._released = [item for item in self._released if now - item[2] <= FAILOVER_BUDGET_S]
-            self._next_confirm = now + CONFIRM_RETRY_S
-            return 0
-        self._released = self._released[len(pending) :]
+        though this worker let it go); how many. 0 while no replica confirms (worker/replica_reads.py).
+        Raises redis-py's ConnectionError when Redis is away."""
+        found = self._released.read_back(lambda pipe, released: pipe.get(agent_lock_key(released[0])))
         again = 0
-        for (agent_id, job_id, _), value in zip(pending, values, strict=True):
+        for (agent_id, job_id), value in found:
             if _text(value) == self._token(job_id) and self._locks.get(agent_id) != job_id:
                 log.warning(
                     "agent %s: the release of job %s's turn was gone after a failover: again",

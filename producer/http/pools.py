@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 from rq import Worker
+from rq.worker import BaseWorker
 
 from producer.http.errors import APIError
 from producer.liveness import alive, all_live_workers
@@ -44,16 +45,11 @@ class Pool:
 def served_pools(connection: Redis) -> dict[str, Pool]:
     """model -> its pool, for every model at least one live kvrq worker runs."""
     workers = all_live_workers(connection)
-    with connection.pipeline(transaction=False) as pipe:
-        for worker in workers:
-            pipe.hget(worker.key, MODEL_FIELD)
-        models = pipe.execute()
     queues: dict[str, Counter[str]] = {}
     counts: Counter[str] = Counter()
-    for worker, raw in zip(workers, models, strict=True):
-        if not raw:
+    for worker, model in zip(workers, _models_of(connection, workers), strict=True):
+        if model is None:
             continue  # a plain rq worker: it serves no model of ours
-        model = raw.decode() if isinstance(raw, bytes) else str(raw)
         counts[model] += 1
         queues.setdefault(model, Counter()).update({shared_queue_of(q) for q in worker.queue_names()})
     return {model: Pool(model, _queue_of(queues[model]), counts[model]) for model in sorted(counts)}
@@ -64,13 +60,18 @@ def lapsed_models(connection: Redis) -> set[str]:
     registered = Worker.all(connection=connection, serializer=SERIALIZER)
     live = {worker.name for worker in alive(connection, registered)}
     lapsed = [worker for worker in registered if worker.name not in live]
-    if not lapsed:
-        return set()
+    return {model for model in _models_of(connection, lapsed) if model is not None}
+
+
+def _models_of(connection: Redis, workers: list[BaseWorker]) -> list[str | None]:
+    """The model each worker runs (None: a plain rq worker), in one round trip."""
+    if not workers:
+        return []
     with connection.pipeline(transaction=False) as pipe:
-        for worker in lapsed:
+        for worker in workers:
             pipe.hget(worker.key, MODEL_FIELD)
         models = pipe.execute()
-    return {m.decode() if isinstance(m, bytes) else str(m) for m in models if m}
+    return [None if not raw else raw.decode() if isinstance(raw, bytes) else str(raw) for raw in models]
 
 
 def _queue_of(queues: Counter[str]) -> str:
@@ -90,15 +91,13 @@ class PoolDirectory:
         self._lock = threading.Lock()
         self._read_at = float("-inf")
         self._pools: dict[str, Pool] = {}
-        self.seen: set[str] = set()
-        self._live_at: dict[str, tuple[Pool, float]] = {}  # model -> its pool when last seen live, when
+        self._live_at: dict[str, tuple[Pool, float]] = {}  # every model seen live: its pool then, when
 
     def pools(self) -> dict[str, Pool]:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
                 self._pools = served_pools(self.connection)
                 self._read_at = time.monotonic()
-                self.seen |= set(self._pools)
                 self._live_at.update({model: (pool, self._read_at) for model, pool in self._pools.items()})
             return dict(self._pools)
 
@@ -107,7 +106,7 @@ class PoolDirectory:
         pools = self.pools()
         if model is not None and model in pools:
             return pools[model]
-        if not pools or (model is not None and model in self.seen):
+        if not pools or (model is not None and model in self._live_at):
             lapsed = self._lapsed(model)
             if lapsed is not None:
                 return lapsed

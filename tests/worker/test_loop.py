@@ -343,7 +343,7 @@ def test_an_agent_turn_release_a_failover_dropped_is_made_again(monkeypatch: pyt
     loop releases again, so the agent's next turn, on another worker, starts at once instead of
     waiting out the lock's TTL (90 s)."""
     h = Harness(affinity=False)  # the next turn may land on the other worker
-    h.loop.turns.replicas = 1  # as on a Sentinel URL's `wait=1`
+    h.loop.turns._released.replicas = 1  # as on a Sentinel URL's `wait=1`
     snapshot: dict[bytes, bytes] = {}
     failovers: list[bool] = []
     release = h.loop.turns.release
@@ -366,7 +366,7 @@ def test_an_agent_turn_release_a_failover_dropped_is_made_again(monkeypatch: pyt
             return 1, pipe.execute()
 
     monkeypatch.setattr(h.loop.turns, "release", snapshot_then_release)
-    monkeypatch.setattr("worker.agent_turns.read_after_wait", read_after_failover)
+    monkeypatch.setattr("worker.replica_reads.read_after_wait", read_after_failover)
     first = h.producer.submit({"agent_id": "A", "prompt": "x", "max_tokens": 3})
     h.run_until(lambda: bool(failovers) and first.status() == "finished" and not h.loop.turns._released)
     assert h.loop.counts["releases_rewritten"] == 1
