@@ -13,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from producer.protocol import agent_id_problem
 
+# Strict scalars: JSON's true is not the number 1, nor 1 the boolean true (the APIs type them apart).
+StrictInt = Annotated[int, Field(strict=True)]
+StrictFloat = Annotated[float, Field(strict=True)]  # an integer is still a number
+StrictBool = Annotated[bool, Field(strict=True)]
+
 QUEUE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
@@ -22,6 +27,10 @@ MAX_METADATA_BYTES = 64 * 1024
 MAX_TOOLS = 128
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
+#: Levels of objects and arrays any client JSON may nest (a whole HTTP body, and each free-form field
+#: of a job): pydantic's serializer gives up near 300 and Python's recursion near 1,000, so a deeper
+#: value would fail after it was accepted (producer.models.json_depth_problem is the rule).
+MAX_JSON_DEPTH = 64
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 #: apply_chat_template arguments kvrq sets itself: a request's chat_template_kwargs may not.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -138,7 +147,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=TOOL_NAME_PATTERN, description="1 to 64 letters, digits, _ . -")
     description: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     parameters: dict[str, Any] | None = Field(default=None, description="JSON Schema of the arguments")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -190,7 +199,7 @@ class JsonSchemaSpec(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @field_validator("json_schema")
     @classmethod
@@ -237,7 +246,36 @@ def checked_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def json_depth_problem(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """Why `value` nests too deeply (naming where), or None. A loop, not recursion: the values it
+    catches are the ones deep enough to break recursive code."""
+    # (container, its depth, its parent's entry, its key there): paths are spelled only for the answer
+    Entry = tuple[Any, int, Any, object]
+    pending: list[Entry] = [(value, 1, None, what)] if isinstance(value, dict | list) else []
+    while pending:
+        entry = pending.pop()
+        item, depth = entry[0], entry[1]
+        if depth > limit:
+            return f"{_json_path(entry)} nests objects and arrays deeper than {limit} levels"
+        pairs = item.items() if isinstance(item, dict) else enumerate(item)
+        pending += [(child, depth + 1, entry, key) for key, child in pairs if isinstance(child, dict | list)]
+    return None
+
+
+def _json_path(entry: tuple[Any, int, Any, object]) -> str:
+    """`what.key[0].key` down to the entry's first 8 levels (enough to find it, short enough to read)."""
+    keys: list[object] = []
+    while entry is not None:
+        keys.append(entry[3])
+        entry = entry[2]
+    keys.reverse()
+    shown = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in keys[1:9])
+    return f"{keys[0]}{shown}{'...' if len(keys) > 9 else ''}"
+
+
 def _check_json(value: Any, what: str, limit: int = MAX_METADATA_BYTES) -> None:
+    if problem := json_depth_problem(value, what):
+        raise ValueError(problem)
     try:
         encoded = json.dumps(value)
     except (TypeError, ValueError) as exc:
@@ -262,7 +300,7 @@ class GenerationRequest(BaseModel):
         description="resume from and save to this agent's KV cache; None for a one-off job "
         "(the rule: producer.protocol.agent_id_problem)",
     )
-    continue_: bool = Field(
+    continue_: StrictBool = Field(
         default=False,
         alias="continue",
         description="append `messages` to the agent's stored conversation and resume it (needs agent_id); "
@@ -281,34 +319,34 @@ class GenerationRequest(BaseModel):
     )
     prompt: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    max_tokens: StrictInt = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: StrictFloat = Field(default=0.0, ge=0.0, le=100.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     metadata: dict[str, Any] = Field(default_factory=dict, description="opaque, echoed back in the result")
     # Samplers and logits processors (mlx-lm's meanings); each row of a batch has its own.
-    top_k: int = Field(default=0, ge=0, description="keep the k most likely tokens; 0: all")
-    min_p: float = Field(
+    top_k: StrictInt = Field(default=0, ge=0, description="keep the k most likely tokens; 0: all")
+    min_p: StrictFloat = Field(
         default=0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top probability"
     )
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
-    repetition_context_size: int = Field(
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=100.0)
+    repetition_context_size: StrictInt = Field(
         default=20, ge=1, le=MAX_TOKENS_LIMIT, description="last tokens the three penalties look at"
     )
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat] | None = Field(
         default=None,
         max_length=MAX_LOGIT_BIAS,
         description="token id (a string, OpenAI's shape) -> bias added",
     )
-    logprobs: bool = Field(default=False, description="return each generated token's log probability")
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: StrictBool = Field(default=False, description="return each generated token's log probability")
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Tools, structured output and template options (chat requests).
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="extra variables for the chat template (e.g. enable_thinking)"
@@ -318,12 +356,16 @@ class GenerationRequest(BaseModel):
     queue: str | None = Field(
         default=None, pattern=QUEUE_NAME_PATTERN, description="queue name (default: producer's)"
     )
-    at_front: bool = Field(default=False, description="enqueue at the head of the queue (priority)")
-    job_timeout: int | None = Field(default=None, gt=0, description="seconds a job may run once started")
-    result_ttl: int | None = Field(
+    at_front: StrictBool = Field(default=False, description="enqueue at the head of the queue (priority)")
+    job_timeout: StrictInt | None = Field(
+        default=None, gt=0, description="seconds a job may run once started"
+    )
+    result_ttl: StrictInt | None = Field(
         default=None, ge=-1, description="seconds the result is kept (-1: forever)"
     )
-    retries: int = Field(default=0, ge=0, le=100, description="re-runs after a failure or a worker crash")
+    retries: StrictInt = Field(
+        default=0, ge=0, le=100, description="re-runs after a failure or a worker crash"
+    )
 
     @field_validator("agent_id", "fork_from")
     @classmethod

@@ -9,7 +9,6 @@ that outlives the request timeout (504), cancels its job.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,12 +21,14 @@ from redis import Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, Route
 
 from producer.batch.format import CHAT_URL, COMPLETIONS_URL
 from producer.client import JobHandle, Producer
 from producer.http import anthropic_api, conversations_routes, openai_api
+from producer.http.body import parsed_body
 from producer.http.bridge import DEFAULT_THREADS, Bridge, ClientGone, disconnected
-from producer.http.errors import APIError, flavor_of, from_validation, invalid
+from producer.http.errors import APIError, ServerErrors, flavor_of, from_validation
 from producer.http.guard import ApiKeys, BodyLimit
 from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
 from producer.http.sse import OnResult, Translator, open_stream
@@ -224,16 +225,15 @@ class _Front:
 
 
 async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise invalid(f"the body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise invalid("the body is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise invalid("the body must be a JSON object")
-    return body
+    return parsed_body(await request.body(), request.url.path)
+
+
+def _methods(app: FastAPI, request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in app.routes:
+        if isinstance(route, Route) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods or set()
+    return sorted(methods)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -246,16 +246,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return answer(
+        response = answer(
             request, APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         )
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Allow: every route's methods on this path (Starlette names one's)
+            response.headers["allow"] = ", ".join(_methods(app, request))
+        return response
 
     @app.exception_handler(RedisError)
     async def redis_error(request: Request, exc: RedisError) -> JSONResponse:
         logger.warning("%s %s: Redis: %s", request.method, request.url.path, exc)
         return answer(request, APIError(503, f"Redis is unreachable: {exc}", retry_after=RETRY_AFTER_S))
 
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return answer(request, APIError(500, f"internal error: {type(exc).__name__}"))
+    app.add_middleware(ServerErrors)  # any other exception: a 500 with a request id, then close

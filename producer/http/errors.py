@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
+import secrets
 from typing import Any, Literal
 
 from pydantic import ValidationError
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.batch.format import validation_message
 from producer.client import JobCanceledError, JobFailedError
 from producer.protocol import ErrorCode
+
+logger = logging.getLogger("kvrq.http")
 
 Flavor = Literal["openai", "anthropic"]
 
@@ -18,6 +24,7 @@ _TYPES: dict[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_request_error"),
     401: ("authentication_error", "authentication_error"),
     404: ("invalid_request_error", "not_found_error"),
+    405: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),
@@ -56,7 +63,7 @@ class APIError(Exception):
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self, flavor: Flavor) -> dict[str, Any]:
-        openai_type, anthropic_type = _TYPES.get(self.status, _TYPES[500])
+        openai_type, anthropic_type = _TYPES.get(self.status, _TYPES[400 if self.status < 500 else 500])
         if flavor == "anthropic":
             return {"type": "error", "error": {"type": anthropic_type, "message": self.message}}
         return {
@@ -89,3 +96,42 @@ def from_job_failure(exc: JobFailedError) -> APIError:
         return APIError(500, f"job {exc.job_id} was canceled", code="job_canceled")
     status = _STATUS_OF_JOB_ERROR.get(exc.code, 500)
     return APIError(status, f"job {exc.job_id} failed: {exc.reason}", code=exc.code)
+
+
+def new_request_id() -> str:
+    """An id for a request that has no job id (the client quotes it, the log holds it)."""
+    return f"req_{secrets.token_hex(12)}"
+
+
+class ServerErrors:
+    """ASGI middleware: an exception no handler took becomes a 500 in the API's shape, logged with a
+    request id the client also gets (x-request-id, request-id, and in the message), and sent with
+    `Connection: close`, so a keep-alive client opens a new connection for its next request instead
+    of reusing one the server may no longer trust. Once a response has begun it can only be cut off.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            request_id = new_request_id()
+            path = scope.get("path", "")
+            logger.exception("%s %s failed, request id %s", scope.get("method"), path, request_id)
+            error = APIError(500, f"internal error ({type(exc).__name__}), request id {request_id}")
+            headers = {"x-request-id": request_id, "request-id": request_id, "connection": "close"}
+            await JSONResponse(error.body(flavor_of(path)), 500, headers=headers)(scope, receive, send)

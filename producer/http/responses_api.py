@@ -212,7 +212,7 @@ def _conversation_id(value: Any) -> str | None:
 def input_items(value: Any, where: str = "input") -> list[dict[str, Any]]:
     """`input` (a string or a list of items) as a list of items in the API's own listed shape, each
     with an id (the client's where it gave one)."""
-    if isinstance(value, str):
+    if isinstance(value, str) and value:  # "" is as empty as []
         value = [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise invalid(f"'{where}' must be a non-empty string or list of items", param=where)
