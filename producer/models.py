@@ -351,6 +351,12 @@ class GenerationRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="extra variables for the chat template (e.g. enable_thinking)"
     )
+    max_tokens_fit: bool = Field(
+        default=False,
+        description="cut max_tokens to what the model's context leaves after the prompt (the answer ends "
+        "'length' there) instead of refusing the job; kvrq serve sets it (clients send max_tokens "
+        "beyond a local model's context)",
+    )
 
     # Queue options (rq): not sent to the worker as part of the payload.
     queue: str | None = Field(

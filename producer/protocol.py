@@ -25,6 +25,8 @@ CAPACITY_FIELD = "kvrq_capacity"
 #: The other fields kvrq adds to its rq worker hash (what `kvrq status` shows): the model, jobs running
 #: in the engine and waiting for admission, and the KV block pool's size and free blocks.
 MODEL_FIELD = "kvrq_model"
+#: The model's context length in tokens (prompt and answer together): kvrq serve's /v1/models carries it.
+CONTEXT_FIELD = "kvrq_context"
 MAX_BATCH_FIELD = "kvrq_max_batch"
 RUNNING_FIELD = "kvrq_running"
 WAITING_FIELD = "kvrq_waiting"

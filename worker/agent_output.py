@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.core.params import SamplingParams
-from producer.models import GenerationRequest, ToolCall, ToolCallFunction
+from producer.models import GenerationRequest, NamedToolChoice, ToolCall, ToolCallFunction
 from worker import tool_format
 from worker.jobs import JobRejected
 from worker.tool_format import native_tool_calling
@@ -202,12 +202,17 @@ def refuse_grammar_in_reasoning(sampling: SamplingParams, output: OutputSplitter
         )
 
 
+def one_call(request: GenerationRequest) -> bool:
+    """Whether the answer holds at most one tool call: parallel_tool_calls false, or a named tool."""
+    return request.parallel_tool_calls is False or isinstance(request.tool_choice, NamedToolChoice)
+
+
 def stop_after_one_call(
     sampling: SamplingParams, output: OutputSplitter | None, request: GenerationRequest
 ) -> SamplingParams:
-    """With parallel_tool_calls false, the first tool call's end marker ends the row (a stop string:
-    the call, unterminated in the text, is parsed when the output ends); other rows go on."""
-    if output is None or output.tool_markers is None or request.parallel_tool_calls is not False:
+    """With one call (one_call), the first tool call's end marker ends the row (a stop string: the
+    call, unterminated in the text, is parsed when the output ends); other rows go on."""
+    if output is None or output.tool_markers is None or not one_call(request):
         return sampling
     return dataclasses.replace(sampling, stop=(*sampling.stop, output.tool_markers[1]))
 

@@ -42,6 +42,7 @@ from producer.protocol import (
     CACHE_HITS_FIELD,
     CACHE_LOOKUPS_FIELD,
     CAPACITY_FIELD,
+    CONTEXT_FIELD,
     ERROR_META_KEY,
     FIRST_ENQUEUED_META_KEY,
     FREE_BLOCKS_FIELD,
@@ -364,9 +365,17 @@ class WorkerLoop:
         tokens = prompt_tokens(tokenizer, request)
         output = splitter_for(tokenizer, request, tokens)
         forced = forced_tool_calls(tokenizer, request, output)
-        sampling = checked_sampling(request, self.engine.check, forced)
+        sampling = self._fitted(checked_sampling(request, self.engine.check, forced), request, len(tokens))
         refuse_grammar_in_reasoning(sampling, output)
         return tokens, output, sampling
+
+    def _fitted(self, sampling: SamplingParams, request: GenerationRequest, n_prompt: int) -> SamplingParams:
+        """With max_tokens_fit, max_tokens cut to what the context leaves after a prompt that fits (one
+        that alone fills the context is still refused, with both numbers, at admission)."""
+        room = self.engine.max_context - n_prompt
+        if not request.max_tokens_fit or room <= 0 or sampling.max_tokens <= room:
+            return sampling
+        return dataclasses.replace(sampling, max_tokens=room)
 
     def _reject(self, job: Job, queue: Queue, reason: str) -> None:
         """Fail an invalid job at once (no retry: it would fail the same way), recorded as an execution."""
@@ -967,6 +976,7 @@ class WorkerLoop:
         return {
             CAPACITY_FIELD: self.settings.held_limit,
             MODEL_FIELD: self.model_name,
+            CONTEXT_FIELD: self.engine.max_context,
             MAX_BATCH_FIELD: self.settings.max_batch,
             POOL_BLOCKS_FIELD: self.engine.pool.total_blocks,
             FREE_BLOCKS_FIELD: self.engine.pool.free_blocks,

@@ -24,6 +24,7 @@ class Engine(Protocol):
     spec: ModelCacheSpec
     tokenizer: Any
     vocab_size: int  # 0 when unknown
+    max_context: int  # tokens of prompt and answer together
 
     def admission(self, n_prompt_tokens: int, max_tokens: int) -> Admission: ...
 

@@ -2,8 +2,9 @@
 
 The grammar admits only calls of the offered tools (or the named one), each with arguments that
 validate against its tool's parameter schema, written between the markers the model's template uses,
-so the parsed calls render back through the same template in the next turn. With parallel_tool_calls
-false it admits exactly one call; otherwise one or more. The row ends when the grammar is complete.
+so the parsed calls render back through the same template in the next turn. A named tool, or
+parallel_tool_calls false, admits exactly one call (a small model under `call (GAP call)*` repeats the
+named call until max_tokens); "required" one or more. The row ends when the grammar is complete.
 
 Formats covered: mlx-lm's `json_tools` parser (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`:
 Qwen 2.5 / 3, Hermes and the many templates that copied them). Another parser's format is refused with
@@ -17,7 +18,7 @@ from typing import Any
 
 from engine.core.params import OutputGrammar, with_json_whitespace
 from producer.models import GenerationRequest, NamedToolChoice, tool_choice_text
-from worker.agent_output import OutputSplitter
+from worker.agent_output import OutputSplitter, one_call
 from worker.jobs import JobRejected
 
 JSON_TOOL_MARKERS = ("<tool_call>", "</tool_call>")
@@ -54,7 +55,7 @@ def forced_tool_calls(
         {"anyOf": [_call_schema(function.name, function.parameters) for function in offered]}
     )
     start, end = (_marker(tokenizer, marker) for marker in JSON_TOOL_MARKERS)
-    repeat = "" if request.parallel_tool_calls is False else " (GAP call)*"
+    repeat = "" if one_call(request) else " (GAP call)*"
     lark = f"start: call{repeat}\ncall: {start} GAP? %json {json.dumps(calls)} GAP? {end}\nGAP: {_GAP}\n"
     return OutputGrammar("lark", lark, f"tool_choice {named}")
 

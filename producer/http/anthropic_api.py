@@ -4,7 +4,16 @@ fields, results and stream events back to Anthropic's shapes.
 Content blocks map onto chat messages: `text` blocks are the content, an assistant's `tool_use` blocks
 its tool_calls (input as JSON arguments), a user's `tool_result` blocks `tool` messages (ahead of the
 user's text), an assistant's `thinking` blocks its reasoning. Images, documents and server tools are
-refused (a text model takes text). The agent is `metadata.user_id`, or the X-Kvrq-Agent header.
+refused (a text model takes text). The agent is the X-Kvrq-Agent header, else the one Claude Code
+names (client_ids.claude_code_agent: a subagent's header, metadata.user_id, the session header).
+
+Every field the API defines is accepted: what kvrq cannot act on is named in `x-kvrq-ignored`
+(ignored.py), hosted (server) tools are left out of the prompt and named the same way. Claude Code's
+`x-anthropic-billing-header` system block is client bookkeeping (its `cch=` changes every request):
+it is left out of the prompt, so it never breaks the agent's reuse. A `role: "system"` message in the
+middle of `messages` is folded into the next user turn, ahead of its text (every template renders a
+user turn; not all take a system message after the first), so later turns keep the same prefix.
+`context_management` edits are applied before rendering (context_edits.py).
 
 Usage follows Anthropic's meaning: `input_tokens` are the prompt tokens run through the model,
 `cache_read_input_tokens` those resumed from the agent's cache (their sum is the prompt).
@@ -13,10 +22,14 @@ Usage follows Anthropic's meaning: `input_tokens` are the prompt tokens run thro
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from producer.http.client_ids import claude_code_agent
+from producer.http.context_edits import apply_edits
 from producer.http.errors import Flavor, invalid
+from producer.http.ignored import ignore
 from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import named_event
 from producer.models import GenerationResult
@@ -39,10 +52,13 @@ FIELDS = frozenset(
         "metadata",
         "thinking",
         "output_config",
+        "output_format",
+        "context_management",
     }
 )
-#: Fields that change nothing here, accepted and dropped: cache hints (kvrq caches each agent whole),
-#: routing and billing options.
+#: Fields the API defines that change nothing here, accepted and named in x-kvrq-ignored: cache hints
+#: (kvrq caches each agent whole), routing and billing options, Anthropic-hosted containers and MCP
+#: servers (kvrq runs neither: their tools are not offered).
 IGNORED_FIELDS = frozenset(
     {
         "cache_control",
@@ -52,12 +68,32 @@ IGNORED_FIELDS = frozenset(
         "diagnostics",
         "workspace_id",
         "user_profile_id",
+        "container",
+        "mcp_servers",
     }
 )
 #: count_tokens takes the same body without the generation settings.
-COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"})
+COUNT_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_config",
+        "output_format",
+        "context_management",
+        "metadata",
+    }
+)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "canceled": "end_turn"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+#: Claude Code's first system block: client bookkeeping, never part of the prompt.
+BILLING_HEADER = "x-anthropic-billing-header:"
+#: Client tools: Anthropic's own types are server tools (web search, code execution) or tools whose
+#: schema lives with Anthropic (computer use, bash, text editor): the model here could not call them.
+CLIENT_TOOL_TYPES = (None, "custom")
 
 
 @dataclass(frozen=True)
@@ -67,13 +103,22 @@ class Parsed:
     stream: bool = False
 
 
-def parse(body: dict[str, Any], *, agent: str | None = None, count: bool = False) -> Parsed:
-    """A Messages body (`count`: a count_tokens body) as GenerationRequest fields; APIError 400 if bad."""
+def parse(
+    body: dict[str, Any],
+    *,
+    agent: str | None = None,
+    count: bool = False,
+    headers: Mapping[str, str] | None = None,
+) -> Parsed:
+    """A Messages body (`count`: a count_tokens body) as GenerationRequest fields; APIError 400 if bad.
+    `agent`: the X-Kvrq-Agent header; `headers`: the request's, for the ids Claude Code sends there."""
     body = dict(body)
     memory = memory_fields(body)
     allowed = COUNT_FIELDS if count else FIELDS
     if unknown := sorted(set(body) - allowed - IGNORED_FIELDS):
         raise invalid(f"unknown field(s) {', '.join(unknown)} (kvrq takes: {', '.join(sorted(allowed))})")
+    for name in sorted(IGNORED_FIELDS & set(body)):
+        ignore(name)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("'model' must be a string")
@@ -82,21 +127,46 @@ def parse(body: dict[str, Any], *, agent: str | None = None, count: bool = False
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid("'stream' must be true or false")
-    fields: dict[str, Any] = {"messages": _messages(body.get("system"), body.get("messages")), **memory}
+    system = _system(body.get("system"))
+    messages = body.get("messages")
+    if body.get("context_management") is not None and isinstance(messages, list):
+        rest = len(json.dumps([system, body.get("tools")], ensure_ascii=False))
+        messages, _applied = apply_edits(body["context_management"], messages, rest)
+    fields: dict[str, Any] = {"messages": _messages(system, messages), **memory}
     if not count:
         fields.update(_sampling(body))
-    if tools := body.get("tools"):
-        fields["tools"] = _tools(tools)
+    tools = _tools(body.get("tools")) if body.get("tools") else []
+    if tools:
+        fields["tools"] = tools
     if body.get("tool_choice") is not None:
-        fields.update(_tool_choice(body["tool_choice"]))
+        fields.update(_tool_choice(body["tool_choice"], [tool["function"]["name"] for tool in tools]))
     if (config := body.get("output_config")) is not None:
         fields.update(_output_config(config))
+    if body.get("output_format") is not None:
+        fields.update(_output_config({"format": body["output_format"]}))
     if (thinking := body.get("thinking")) is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": _thinking_enabled(thinking)}
-    user = (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None
-    if agent or user:
-        fields["agent_id"] = client_agent(agent or user, "the agent (metadata.user_id or X-Kvrq-Agent)")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise invalid("'metadata' must be an object")
+    if agent:
+        fields["agent_id"] = client_agent(agent, "the agent (X-Kvrq-Agent)")
+    elif named := claude_code_agent((metadata or {}).get("user_id"), headers or {}):
+        fields["agent_id"] = client_agent(named, "the agent (metadata.user_id)")
     return Parsed(model, fields, bool(stream))
+
+
+def _system(system: Any) -> Any:
+    """The system prompt without Claude Code's billing-header block (named as ignored)."""
+    if not isinstance(system, list):
+        return system
+    kept = []
+    for index, block in enumerate(system):
+        if isinstance(block, dict) and str(block.get("text", "")).startswith(BILLING_HEADER):
+            ignore(f"system[{index}]")
+        else:
+            kept.append(block)
+    return kept
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -119,18 +189,28 @@ def _messages(system: Any, messages: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _text(system, "system")})
+    pending: list[str] = []  # mid-conversation system messages, for the next user turn
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise invalid(f"messages[{index}] must be an object with role 'user' or 'assistant'")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise invalid(f"messages[{index}] must be an object with role 'user', 'assistant' or 'system'")
         if unknown := sorted(set(message) - {"role", "content"}):
             raise invalid(f"messages[{index}] has unknown field(s) {', '.join(unknown)}")
         content = message.get("content")
+        if message["role"] == "system":
+            pending.append(_text(content, f"messages[{index}].content"))
+            continue
+        if message["role"] == "user" and pending and isinstance(content, str | list):
+            blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            content = [{"type": "text", "text": text + "\n\n"} for text in pending] + blocks
+            pending = []
         if isinstance(content, str):
             out.append({"role": message["role"], "content": content})
         elif isinstance(content, list):
             out += _blocks(message["role"], content, f"messages[{index}]")
         else:
             raise invalid(f"messages[{index}].content must be a string or a list of content blocks")
+    if pending:  # system messages last: a user turn of their own
+        out.append({"role": "user", "content": "\n\n".join(pending)})
     return out
 
 
@@ -201,12 +281,16 @@ def _text(content: Any, where: str) -> str:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
+    """Client tools in chat's shape; Anthropic's own tool types are left out and named."""
     if not isinstance(tools, list):
         raise invalid("'tools' must be a list")
     out = []
     for index, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "name" not in tool:
-            raise invalid(f"tools[{index}]: kvrq takes client tools ({{name, description, input_schema}})")
+        if not isinstance(tool, dict) or "name" not in tool:
+            raise invalid(f"tools[{index}]: a tool is {{name, description, input_schema}}")
+        if tool.get("type") not in CLIENT_TOOL_TYPES:
+            ignore(f"tools.{tool['name']}")
+            continue
         function = {"name": tool["name"], "parameters": tool.get("input_schema")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
@@ -214,11 +298,16 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(choice: Any) -> dict[str, Any]:
+def _tool_choice(choice: Any, offered: list[str]) -> dict[str, Any]:
     if not isinstance(choice, dict) or choice.get("type") not in (*TOOL_CHOICES, "tool"):
         raise invalid("'tool_choice' is {type: auto | any | tool | none}")
     out: dict[str, Any] = {}
     if choice["type"] == "tool":
+        if choice.get("name") not in offered:
+            raise invalid(
+                f"tool_choice names {choice.get('name')!r}, which is not among the client tools kvrq "
+                f"offers the model ({', '.join(offered) or 'none'}): name one of those"
+            )
         out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     else:
         out["tool_choice"] = TOOL_CHOICES[choice["type"]]
@@ -231,6 +320,8 @@ def _output_config(config: Any) -> dict[str, Any]:
     """`format` (a JSON schema the answer must follow) becomes response_format; `effort` changes nothing."""
     if not isinstance(config, dict) or set(config) - {"format", "effort"}:
         raise invalid("'output_config' takes 'format' ({type: json_schema, schema}) and 'effort'")
+    if config.get("effort") is not None:
+        ignore("output_config.effort")
     form = config.get("format")
     if form is None:
         return {}
@@ -249,8 +340,12 @@ def _output_config(config: Any) -> dict[str, Any]:
 
 
 def _thinking_enabled(thinking: Any) -> bool:
+    """`enabled` and `adaptive` turn the template's thinking on (a model without any ignores it); a
+    token budget is not enforced here (named as ignored)."""
     if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-        raise invalid("'thinking' is {type: enabled | disabled}")
+        raise invalid("'thinking' is {type: enabled | disabled | adaptive}")
+    if thinking.get("budget_tokens") is not None:
+        ignore("thinking.budget_tokens")
     return bool(thinking["type"] != "disabled")
 
 
@@ -319,6 +414,10 @@ class MessageStream:
             "usage": usage(None),
         }
         return [named_event({"type": "message_start", "message": message})]
+
+    def ping(self) -> bytes:
+        """Anthropic's keep-alive event, sent while the first token is still to come (sse.Pinging)."""
+        return named_event({"type": "ping"})
 
     def _open(self, block: dict[str, Any]) -> list[bytes]:
         events = self._close()

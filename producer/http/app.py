@@ -10,9 +10,10 @@ that outlives the request timeout (504), cancels its job.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,6 +31,8 @@ from producer.http.body import parsed_body
 from producer.http.bridge import DEFAULT_THREADS, Bridge, ClientGone, disconnected
 from producer.http.errors import APIError, ServerErrors, flavor_of, from_validation
 from producer.http.guard import ApiKeys, BodyLimit
+from producer.http.ignored import IgnoredFields
+from producer.http.model_cards import CLAMP_HEADER, anthropic_model, clamped_to, openai_model
 from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
 from producer.http.sse import OnResult, Translator, open_stream
 from producer.models import GenerationRequest, GenerationResult
@@ -39,6 +42,7 @@ from producer.redis_url import connect
 logger = logging.getLogger("kvrq.http")
 
 AGENT_HEADER = "x-kvrq-agent"
+STRICT_MAX_TOKENS_ENV = "KVRQ_STRICT_MAX_TOKENS"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
@@ -52,6 +56,9 @@ class ServeSettings:
     max_queued: int | None = None
     api_keys: tuple[str, ...] = ()
     threads: int = DEFAULT_THREADS
+    #: Cut a max_tokens beyond what the context leaves to what it leaves (clients send 32,000 to a
+    #: local model's 8K context); False (KVRQ_STRICT_MAX_TOKENS=1) answers those 400 instead.
+    fit_max_tokens: bool = field(default_factory=lambda: os.environ.get(STRICT_MAX_TOKENS_ENV) != "1")
 
 
 def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> FastAPI:
@@ -68,6 +75,7 @@ def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> F
 
     app = FastAPI(title="kvrq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(IgnoredFields)
     if settings.api_keys:
         app.add_middleware(ApiKeys, keys=settings.api_keys)
     _add_error_handlers(app)
@@ -81,17 +89,19 @@ def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> F
             return JSONResponse({"status": "unavailable", "reason": f"Redis: {exc}"}, 503)
         return JSONResponse({"status": "ok", "models": sorted(pools)})
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        """Clients probe the base URL before their first request (Claude Code: HEAD /)."""
+        return JSONResponse({"service": "kvrq"})
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         pools = await bridge.run(directory.pools)
         if "anthropic-version" in request.headers:
-            data = [
-                {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
-                for name in pools
-            ]
+            data = [anthropic_model(pool) for pool in pools.values()]
             first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
             return JSONResponse({"data": data, "has_more": False, "first_id": first, "last_id": last})
-        return JSONResponse({"object": "list", "data": [_openai_model(pool) for pool in pools.values()]})
+        return JSONResponse({"object": "list", "data": [openai_model(pool) for pool in pools.values()]})
 
     @app.post(CHAT_URL)
     async def chat(request: Request) -> Response:
@@ -113,16 +123,6 @@ def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> F
     return app
 
 
-def _openai_model(pool: Pool) -> dict[str, Any]:
-    return {
-        "id": pool.model,
-        "object": "model",
-        "created": 0,
-        "owned_by": "kvrq",
-        "kvrq": {"queue": pool.queue, "workers": pool.workers},
-    }
-
-
 class _Front:
     """What the generation routes share: body, validation, pool, enqueue, wait or stream."""
 
@@ -136,19 +136,31 @@ class _Front:
         pool, handle = await self.submit(request, parsed.model, parsed.fields)
         translator = openai_api.stream_translator(parsed, handle.id, pool.model) if parsed.stream else None
         return await self.answer(
-            request, handle, translator, lambda r: openai_api.response(parsed, pool.model, r)
+            request,
+            handle,
+            translator,
+            lambda r: openai_api.response(parsed, pool.model, r),
+            clamp=(pool, parsed.fields.get("max_tokens")),
         )
 
     async def anthropic(self, request: Request) -> Response:
-        parsed = anthropic_api.parse(await _body(request), agent=request.headers.get(AGENT_HEADER))
+        parsed = anthropic_api.parse(
+            await _body(request), agent=request.headers.get(AGENT_HEADER), headers=request.headers
+        )
         pool, handle = await self.submit(request, parsed.model, parsed.fields)
         translator = anthropic_api.MessageStream(handle.id, pool.model) if parsed.stream else None
-        return await self.answer(request, handle, translator, lambda r: anthropic_api.response(pool.model, r))
+        return await self.answer(
+            request,
+            handle,
+            translator,
+            lambda r: anthropic_api.response(pool.model, r),
+            clamp=(pool, parsed.fields.get("max_tokens")),
+        )
 
     async def count_tokens(self, request: Request) -> Response:
         """The tokenizer and chat template live in the worker: the count is a one-off job of one token
         (the prompt rendered and prefilled as a real request would be; no agent's cache is touched)."""
-        parsed = anthropic_api.parse(await _body(request), count=True)
+        parsed = anthropic_api.parse(await _body(request), count=True, headers=request.headers)
         fields = {
             **parsed.fields,
             "max_tokens": 1,
@@ -167,10 +179,12 @@ class _Front:
         translator: Translator | None,
         body: Callable[[GenerationResult], dict[str, Any]],
         on_result: OnResult | None = None,
+        clamp: tuple[Pool, int | None] | None = None,
     ) -> Response:
         """The job's stream through `translator`, or (None) its result as `body` makes it; the job id
         as the request id (OpenAI's x-request-id, Anthropic's request-id). 499 when the client left.
-        `on_result` is awaited with the result first (a stream's: after its end event)."""
+        `on_result` is awaited with the result first (a stream's: after its end event). `clamp` (the pool,
+        the max_tokens asked for): a plain answer whose max_tokens the context cut says so in a header."""
         headers = {"x-request-id": handle.id, "request-id": handle.id}
         try:
             if translator is not None:
@@ -191,13 +205,17 @@ class _Front:
         except ClientGone:
             logger.info("job %s: the client went away; job canceled", handle.id)
             return Response(status_code=499)
+        if clamp is not None and (ran_with := clamped_to(*clamp, result)) is not None:
+            headers[CLAMP_HEADER] = str(ran_with)
         return JSONResponse(body(result), headers=headers)
 
     async def submit(
         self, request: Request, model: str | None, fields: dict[str, Any]
     ) -> tuple[Pool, JobHandle]:
         try:
-            generation = GenerationRequest.model_validate(fields)
+            generation = GenerationRequest.model_validate(
+                {**fields, "max_tokens_fit": self.settings.fit_max_tokens}
+            )
         except ValidationError as exc:
             raise from_validation(exc) from None
         pool = await self.bridge.run(self.directory.resolve, model)

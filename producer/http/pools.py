@@ -24,7 +24,7 @@ from rq.worker import BaseWorker
 
 from producer.http.errors import APIError
 from producer.liveness import alive, all_live_workers
-from producer.protocol import DEFAULT_QUEUE, MODEL_FIELD, SERIALIZER, shared_queue_of
+from producer.protocol import CONTEXT_FIELD, DEFAULT_QUEUE, MODEL_FIELD, SERIALIZER, shared_queue_of
 from producer.redis_url import FAILOVER_BUDGET_S
 
 #: Seconds a reading of the pools is reused (each reading lists the workers: a few Redis round trips).
@@ -40,6 +40,8 @@ class Pool:
     model: str
     queue: str
     workers: int
+    #: The smallest context length (tokens) its workers publish; None where none does (an older worker).
+    context: int | None = None
 
 
 def served_pools(connection: Redis) -> dict[str, Pool]:
@@ -47,12 +49,20 @@ def served_pools(connection: Redis) -> dict[str, Pool]:
     workers = all_live_workers(connection)
     queues: dict[str, Counter[str]] = {}
     counts: Counter[str] = Counter()
-    for worker, model in zip(workers, _models_of(connection, workers), strict=True):
+    contexts: dict[str, int] = {}
+    for worker, model, context in zip(
+        workers, _models_of(connection, workers), _contexts_of(connection, workers), strict=True
+    ):
         if model is None:
             continue  # a plain rq worker: it serves no model of ours
         counts[model] += 1
         queues.setdefault(model, Counter()).update({shared_queue_of(q) for q in worker.queue_names()})
-    return {model: Pool(model, _queue_of(queues[model]), counts[model]) for model in sorted(counts)}
+        if context is not None:
+            contexts[model] = min(context, contexts.get(model, context))
+    return {
+        model: Pool(model, _queue_of(queues[model]), counts[model], contexts.get(model))
+        for model in sorted(counts)
+    }
 
 
 def lapsed_models(connection: Redis) -> set[str]:
@@ -65,13 +75,24 @@ def lapsed_models(connection: Redis) -> set[str]:
 
 def _models_of(connection: Redis, workers: list[BaseWorker]) -> list[str | None]:
     """The model each worker runs (None: a plain rq worker), in one round trip."""
+    return _hash_field(connection, workers, MODEL_FIELD)
+
+
+def _contexts_of(connection: Redis, workers: list[BaseWorker]) -> list[int | None]:
+    """The context length each worker publishes (None: none, or not a number), in one round trip."""
+    texts = _hash_field(connection, workers, CONTEXT_FIELD)
+    return [int(text) if text is not None and text.isdigit() else None for text in texts]
+
+
+def _hash_field(connection: Redis, workers: list[BaseWorker], name: str) -> list[str | None]:
+    """One field of each worker's rq hash (None where it is missing or empty), in one round trip."""
     if not workers:
         return []
     with connection.pipeline(transaction=False) as pipe:
         for worker in workers:
-            pipe.hget(worker.key, MODEL_FIELD)
-        models = pipe.execute()
-    return [None if not raw else raw.decode() if isinstance(raw, bytes) else str(raw) for raw in models]
+            pipe.hget(worker.key, name)
+        values = pipe.execute()
+    return [None if not raw else raw.decode() if isinstance(raw, bytes) else str(raw) for raw in values]
 
 
 def _queue_of(queues: Counter[str]) -> str:

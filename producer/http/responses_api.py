@@ -8,8 +8,11 @@ Input items map onto chat messages: `message` items (string content or `input_te
 parts; `developer` is `system`), `function_call` items the assistant message's tool_calls (consecutive
 calls in one message), `function_call_output` items `tool` messages, `reasoning` items the next
 assistant message's reasoning. Function tools come flat (`{"type": "function", "name", ...}`) and map
-onto chat's nested shape; hosted tools, images and files are refused by name (a text model takes text).
-As for chat, a field kvrq cannot honour is refused, never dropped.
+onto chat's nested shape; a `namespace` tool's functions are offered as `<namespace>.<name>` (OpenAI's
+function names have no dot, so a dotted name is always a namespace's) and their calls go back as
+`name` + `namespace`. Hosted tools (web search, file search, code interpreter, computer use...) are
+left out of the prompt and named in `x-kvrq-ignored` (ignored.py), as are fields that change nothing
+here; images and files are refused (a text model takes text).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producer.batch.format import PASSED_FIELDS as SAMPLER_FIELDS
+from producer.http.client_ids import codex_agent, valid_agent
 from producer.http.errors import APIError, invalid
+from producer.http.ignored import ignore
 from producer.http.sse import named_event
 from producer.models import GenerationResult, ToolCall
 from producer.protocol import StreamEvent
@@ -47,13 +52,15 @@ FIELDS = frozenset(
         "metadata",
         "reasoning",
         "prompt_cache_key",
+        "client_metadata",
     }
 )
 #: kvrq's own fields (the clients' extra_body), passed to the request as they are (as chat's are).
 PASSED_FIELDS = SAMPLER_FIELDS | {"seed", "stop", "chat_template_kwargs"}
-#: Fields that change nothing here, accepted and dropped: billing, routing and cache options (kvrq
-#: keeps each stored response's whole KV anyway), and `include` (the extra output it names, such as
-#: encrypted reasoning, is either always there or does not exist here).
+#: Fields that change nothing here, accepted and named in x-kvrq-ignored: billing, routing and cache
+#: options (kvrq keeps each agent's whole KV anyway), `include` (what it names, such as encrypted
+#: reasoning, does not exist for a local model: reasoning items come in plain text), server-side
+#: compaction and truncation (the context is the model's; an answer is cut to what it leaves).
 IGNORED_FIELDS = frozenset(
     {
         "user",
@@ -62,20 +69,26 @@ IGNORED_FIELDS = frozenset(
         "prompt_cache_retention",
         "prompt_cache_options",
         "include",
+        "context_management",
+        "truncation",
     }
 )
-#: Fields taken only at their neutral value, so no request silently means less.
+#: Fields taken only at their neutral value: ignoring another would give a wrong answer.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "background": (False, None),
-    "truncation": ("disabled", None),
     "max_tool_calls": (None,),
     "prompt": (None,),
-    "context_management": (None,),
     "top_logprobs": (0, None),
 }
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 TOOL_FIELDS = frozenset({"type", "name", "description", "parameters", "strict"})
+#: Function tool fields the API defines that change nothing here (dropped, named).
+IGNORED_TOOL_FIELDS = frozenset(
+    {"defer_loading", "allowed_callers", "async", "output_schema", "cache_control"}
+)
+#: Between a namespace and its function's name in the name the model sees.
+NAMESPACE_SEPARATOR = "."
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,10 @@ def parse(body: dict[str, Any]) -> Parsed:
                 raise invalid(f"{name}={json.dumps(value)} is not supported by kvrq", param=name)
         elif name not in known:
             raise invalid(f"unknown field {name!r}", param=name)
+        elif name in IGNORED_FIELDS and value is not None:
+            ignore(name)
+    if body.get("client_metadata") is not None:
+        ignore("client_metadata")
     model = _optional(body, "model", str)
     stream = bool(_optional(body, "stream", bool))
     if body.get("stream_options") is not None and not stream:
@@ -187,8 +204,15 @@ def parse(body: dict[str, Any]) -> Parsed:
         store=store is not False,
         previous_response_id=previous,
         conversation=conversation,
-        cache_key=_optional(body, "prompt_cache_key", str),
+        cache_key=_cache_key(body),
     )
+
+
+def _cache_key(body: dict[str, Any]) -> str | None:
+    """The agent of a request kept by no record: `prompt_cache_key`, else the thread Codex names in
+    client_metadata (client ids the agent-id rule refuses are hashed into valid ones)."""
+    key = _optional(body, "prompt_cache_key", str)
+    return valid_agent(key) if key else codex_agent(body.get("client_metadata"))
 
 
 def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -240,7 +264,7 @@ def _item(item: Any, where: str) -> dict[str, Any]:
         return out
     if kind == "function_call":
         call_id, name, arguments = (_string(item, key, where) for key in ("call_id", "name", "arguments"))
-        return {
+        listed = {
             "type": "function_call",
             "id": _item_id(item, "fc"),
             "call_id": call_id,
@@ -248,6 +272,9 @@ def _item(item: Any, where: str) -> dict[str, Any]:
             "arguments": arguments,
             "status": "completed",
         }
+        if isinstance(item.get("namespace"), str) and item["namespace"]:
+            listed["namespace"] = item["namespace"]
+        return listed
     if kind == "function_call_output":
         return {
             "type": "function_call_output",
@@ -317,10 +344,11 @@ def chat_messages(
             continue
         if kind == "function_call":
             calls.add(item["call_id"])
+            name = flat_name(item.get("namespace"), item["name"])
             call = {
                 "id": item["call_id"],
                 "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
+                "function": {"name": name, "arguments": item["arguments"]},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -344,25 +372,59 @@ def chat_messages(
 
 
 def flat_tools(value: Any) -> list[dict[str, Any]]:
-    """Function tools in the Responses API's flat shape, checked; hosted tools are refused by name."""
+    """Function tools in the Responses API's flat shape, checked; a namespace's functions flattened
+    (flat_name); hosted tools left out and named."""
     if value is None:
         return []
     if not isinstance(value, list):
         raise invalid("'tools' must be a list", param="tools")
     tools = []
     for index, tool in enumerate(value):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise invalid(
-                f"tools[{index}]: tools of type {kind!r} are not supported (kvrq runs function tools)",
-                param="tools",
-            )
-        if unknown := sorted(set(tool) - TOOL_FIELDS):
-            raise invalid(f"tools[{index}] has unsupported field(s) {', '.join(unknown)}", param="tools")
-        if not isinstance(tool.get("name"), str):
-            raise invalid(f"tools[{index}].name must be a string", param="tools")
-        tools.append({key: tool[key] for key in sorted(TOOL_FIELDS) if tool.get(key) is not None})
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        if kind == "namespace":
+            tools += _namespace_tools(tool, f"tools[{index}]")
+        elif kind == "function":
+            tools.append(_function_tool(tool, f"tools[{index}]"))
+        elif isinstance(tool, dict) and isinstance(kind, str):
+            ignore(f"tools.{kind}" if not isinstance(tool.get("name"), str) else f"tools.{tool['name']}")
+        else:
+            raise invalid(f"tools[{index}] must be a tool object with a 'type'", param="tools")
     return tools
+
+
+def _function_tool(tool: dict[str, Any], where: str, namespace: str | None = None) -> dict[str, Any]:
+    if unknown := sorted(set(tool) - TOOL_FIELDS - IGNORED_TOOL_FIELDS):
+        raise invalid(f"{where} has unsupported field(s) {', '.join(unknown)}", param="tools")
+    if not isinstance(tool.get("name"), str):
+        raise invalid(f"{where}.name must be a string", param="tools")
+    out = {key: tool[key] for key in sorted(TOOL_FIELDS) if tool.get(key) is not None}
+    out["name"] = flat_name(namespace, tool["name"])
+    return out
+
+
+def _namespace_tools(tool: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A namespace's function tools, named `<namespace>.<name>`; its other tools left out and named."""
+    name, inner = tool.get("name"), tool.get("tools")
+    if not isinstance(name, str) or not name or not isinstance(inner, list):
+        raise invalid(f"{where}: a namespace tool has a 'name' and a list of 'tools'", param="tools")
+    out = []
+    for index, function in enumerate(inner):
+        if isinstance(function, dict) and function.get("type") == "function":
+            out.append(_function_tool(function, f"{where}.tools[{index}]", name))
+        else:
+            ignore(f"tools.{name}.{function.get('name') if isinstance(function, dict) else index}")
+    return out
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for a function of `namespace` (None: a plain function)."""
+    return name if not namespace else f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def split_name(flat: str) -> tuple[str | None, str]:
+    """(namespace, name) of a name the model called (flat_name's inverse)."""
+    namespace, dot, name = flat.rpartition(NAMESPACE_SEPARATOR)
+    return (namespace, name) if dot and namespace and name else (None, flat)
 
 
 def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -442,6 +504,8 @@ def _thinking(reasoning: Any) -> bool | None:
         return None
     if not isinstance(reasoning, dict):
         raise invalid("'reasoning' must be an object", param="reasoning")
+    if reasoning.get("summary") is not None:
+        ignore("reasoning.summary")  # a local model writes no summary: reasoning items carry its text
     effort = reasoning.get("effort")
     return None if effort is None else effort != "none"
 
@@ -532,14 +596,18 @@ def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]
     """A function_call output item from a call in chat's shape ({"id", "function": {...}})."""
     ToolCall.model_validate(call)
     function = call["function"]
-    return {
+    namespace, name = split_name(function["name"])
+    item = {
         "type": "function_call",
         "id": item_id,
         "call_id": call["id"],
-        "name": function["name"],
+        "name": name,
         "arguments": function["arguments"] if status == "completed" else "",
         "status": status,
     }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def call_ids(output: list[dict[str, Any]]) -> set[str]:

@@ -8,10 +8,11 @@ frees the job's batch slot at the worker's next step.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from redis.exceptions import RedisError
 from starlette.responses import StreamingResponse
@@ -27,6 +28,8 @@ logger = logging.getLogger("kvrq.http")
 #: OpenAI's last event.
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Seconds a stream with a keep-alive event waits for its first token before it opens and pings.
+KEEPALIVE_S = 3.0
 
 
 def data_event(payload: dict[str, Any]) -> bytes:
@@ -59,6 +62,15 @@ class Translator(Protocol):
         ...
 
 
+@runtime_checkable
+class Pinging(Protocol):
+    """A translator whose API has a keep-alive event (Anthropic's `ping`): its stream opens after
+    KEEPALIVE_S without a first token and sends it every KEEPALIVE_S until one comes, so a client
+    waiting through a long prefill sees the stream alive (Claude Code shows a stall banner otherwise)."""
+
+    def ping(self) -> bytes: ...
+
+
 async def open_stream(
     bridge: Bridge,
     handle: JobHandle,
@@ -74,14 +86,65 @@ async def open_stream(
     status instead, as a plain request's would be. Raises APIError, or ClientGone (job canceled).
     `on_result` is awaited with the job's result after its end event, before the translator's tail."""
     events = bridge.events(handle, timeout=timeout)
-    first = await bridge.first(handle, events, timeout=timeout, gone=gone)
+    first_event = asyncio.ensure_future(bridge.first(handle, events, timeout=timeout, gone=gone))
+    pings = isinstance(translator, Pinging)
+    try:
+        await asyncio.wait({first_event}, timeout=KEEPALIVE_S if pings else None)
+    except asyncio.CancelledError:
+        first_event.cancel()
+        raise
+    if first_event.done():
+        first = first_event.result()
+        if first.kind == "error":
+            raise await bridge.failure(handle, first.error or "failed")
+        chunks = job_stream(
+            bridge, handle, translator, _chain(first, events), timeout=timeout, on_result=on_result
+        )
+    else:  # a long wait for the first token: open now, and keep the client's stream alive
+        chunks = _pinged(
+            bridge, handle, translator, first_event, events, timeout=timeout, on_result=on_result
+        )
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={**HEADERS, **(headers or {})})
+
+
+async def _pinged(
+    bridge: Bridge,
+    handle: JobHandle,
+    translator: Translator,
+    first_event: asyncio.Future[StreamEvent],
+    events: AsyncIterator[StreamEvent],
+    *,
+    timeout: float,
+    on_result: OnResult | None,
+) -> AsyncIterator[bytes]:
+    """The head and a ping every KEEPALIVE_S until the first event, then the job's stream (its head not
+    repeated). An error before the first token ends the stream as the API's error event."""
+    try:
+        for chunk in translator.head():
+            yield chunk
+        while not first_event.done():
+            assert isinstance(translator, Pinging)
+            yield translator.ping()
+            await asyncio.wait({first_event}, timeout=KEEPALIVE_S)
+        first = first_event.result()
+    except ResultTimeoutError:
+        yield bridge.timed_out(handle, timeout).sse(translator.flavor)
+        return
+    except APIError as exc:
+        yield exc.sse(translator.flavor)
+        return
+    except BaseException:  # the client left (ClientGone canceled the job) or the server stops
+        first_event.cancel()
+        bridge.cancel_soon(handle)
+        raise
     if first.kind == "error":
-        raise await bridge.failure(handle, first.error or "failed")
-    return StreamingResponse(
-        job_stream(bridge, handle, translator, _chain(first, events), timeout=timeout, on_result=on_result),
-        media_type="text/event-stream",
-        headers={**HEADERS, **(headers or {})},
+        yield (await bridge.failure(handle, first.error or "failed")).sse(translator.flavor)
+        return
+    rest = job_stream(
+        bridge, handle, translator, _chain(first, events), timeout=timeout, on_result=on_result, head=False
     )
+    async for chunk in rest:
+        yield chunk
 
 
 async def _chain(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
@@ -98,10 +161,11 @@ async def job_stream(
     *,
     timeout: float,
     on_result: OnResult | None = None,
+    head: bool = True,
 ) -> AsyncIterator[bytes]:
     ended = False
     try:
-        for chunk in translator.head():
+        for chunk in translator.head() if head else ():
             yield chunk
         async for event in events:
             if event.kind == "error":

@@ -300,18 +300,19 @@ def test_messages_body_maps_blocks_tools_and_samplers() -> None:
             {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "'image' block",
         ),
-        ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role 'user' or 'assistant'"),
+        ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "role 'user', 'assistant' or"),
         (
-            {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "container": "c"},
-            "unknown field(s) container",
+            {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "frobnicate": "c"},
+            "unknown field(s) frobnicate",
         ),
-        (
+        (  # a hosted tool is left out of the prompt, so forcing it could only give a wrong answer
             {
                 "max_tokens": 5,
                 "messages": [{"role": "user", "content": "x"}],
                 "tools": [{"type": "web_search_20250305", "name": "w"}],
+                "tool_choice": {"type": "tool", "name": "w"},
             },
-            "client tools",
+            "not among the client tools",
         ),
     ],
 )

@@ -1,0 +1,372 @@
+"""Request bodies shaped as Claude Code 2.1, Codex CLI 0.17x and opencode 1.18 send them (captured on
+the wire: ../shared/PLATFORM-NOTES.md, Round 5), through the parsers and the app without a worker
+(fakeredis): accepted, honored where kvrq can, and what it does not act on named in x-kvrq-ignored."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from producer.http import anthropic_api, pools
+from producer.http import responses_api as responses
+from producer.http.app import ServeSettings, create_app
+from producer.http.client_ids import valid_agent
+from producer.http.context_edits import CLEARED, apply_edits
+from producer.http.errors import APIError
+from producer.http.ignored import HEADER, collecting
+from producer.http.model_cards import clamped_to
+from producer.http.pools import Pool
+from producer.models import GenerationRequest, GenerationResult
+from producer.protocol import agent_id_problem
+from tests.producer.fakes import fake_redis
+
+SESSION = "5b0f3c1e-7d4a-4b8e-9c2f-1a2b3c4d5e6f"
+BASH = {
+    "name": "Bash",
+    "description": "Run a shell command.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+        "additionalProperties": False,
+        "$schema": "http://json-schema.org/draft-07/schema#",
+    },
+}
+
+
+def claude_code_body(cch: str = "a1b2c", turns: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Claude Code 2.1's default /v1/messages body (shortened: one tool, short texts)."""
+    return {
+        "model": "smollm2-135m",
+        "messages": turns
+        or [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "text",
+                        "text": "<system-reminder>\nAs you answer, use the tools.\n</system-reminder>",
+                    },
+                    {"type": "text", "text": "List the files.", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+            {"role": "system", "content": "Available agent types: general-purpose."},
+            {"role": "system", "content": [{"type": "text", "text": "Skills: none."}]},
+        ],
+        "system": [
+            {
+                "type": "text",
+                "text": f"x-anthropic-billing-header: cc_version=2.1.197.e3f; cc_entrypoint=sdk-cli; cch={cch};",
+            },
+            {
+                "type": "text",
+                "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+                "cache_control": {"type": "ephemeral"},
+            },
+        ],
+        "tools": [BASH, {"type": "web_search_20250305", "name": "web_search", "max_uses": 8}],
+        "metadata": {
+            "user_id": json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": SESSION})
+        },
+        "max_tokens": 32000,
+        "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "medium"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "stream": True,
+    }
+
+
+def codex_body() -> dict[str, Any]:
+    """Codex CLI 0.171's /v1/responses body (shortened)."""
+    return {
+        "model": "smollm2-135m",
+        "instructions": "You are Codex, a coding agent.",
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "<permissions>"}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Spawn a helper."}],
+            },
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "name": "shell",
+                "description": "Runs a shell command.",
+                "strict": False,
+                "parameters": {"type": "object", "properties": {"command": {"type": "array"}}},
+            },
+            {
+                "type": "namespace",
+                "name": "multi_agent_v1",
+                "description": "Sub-agents.",
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "spawn_agent",
+                        "description": "Start a sub-agent.",
+                        "parameters": {"type": "object", "properties": {"task": {"type": "string"}}},
+                        "defer_loading": False,
+                    }
+                ],
+            },
+            {"type": "web_search", "external_web_access": False},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "019a7c2e-5f1d-7b3a-9e8c-0d1f2a3b4c5d",
+        "client_metadata": {
+            "installation_id": "i-1",
+            "session_id": "s-1",
+            "thread_id": "019a7c2e-5f1d-7b3a-9e8c-0d1f2a3b4c5d",
+            "turn_id": "t-1",
+        },
+    }
+
+
+# ---- Claude Code -------------------------------------------------------------------------------------
+
+
+def test_claude_code_body_is_accepted_and_names_what_it_ignores() -> None:
+    named = collecting()
+    parsed = anthropic_api.parse(claude_code_body(), headers={"x-claude-code-session-id": SESSION})
+    GenerationRequest.model_validate(parsed.fields)
+    messages = parsed.fields["messages"]
+    assert messages[0] == {
+        "role": "system",
+        "content": "You are Claude Code, Anthropic's official CLI for Claude.",
+    }
+    # the system messages after the last user turn become a user turn of their own
+    assert messages[-1] == {
+        "role": "user",
+        "content": "Available agent types: general-purpose.\n\nSkills: none.",
+    }
+    assert [tool["function"]["name"] for tool in parsed.fields["tools"]] == ["Bash"]
+    assert parsed.fields["agent_id"] == SESSION and parsed.stream
+    assert parsed.fields["max_tokens"] == 32000 and parsed.fields["chat_template_kwargs"] == {
+        "enable_thinking": True
+    }
+    assert named == ["system[0]", "tools.web_search", "output_config.effort"]
+
+
+def test_a_changed_cch_leaves_the_prompt_unchanged() -> None:
+    one = anthropic_api.parse(claude_code_body(cch="00001")).fields
+    two = anthropic_api.parse(claude_code_body(cch="fffff")).fields
+    assert one == two and "cch" not in json.dumps(one)
+
+
+def test_mid_conversation_system_messages_fold_into_the_next_user_turn() -> None:
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "ls"}}],
+        },
+        {"role": "system", "content": "Skills: none."},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.txt"}]},
+    ]
+    messages = anthropic_api.parse(claude_code_body(turns=turns)).fields["messages"]
+    assert messages[-2:] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "a.txt"},
+        {"role": "user", "content": "Skills: none.\n\n"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("user_id", "headers", "agent"),
+    [
+        (json.dumps({"device_id": "d", "account_uuid": "", "session_id": SESSION}), {}, SESSION),
+        ("user_abc_account__session_" + SESSION, {}, "user_abc_account__session_" + SESSION),
+        (None, {"x-claude-code-session-id": SESSION}, SESSION),
+        (json.dumps({"session_id": SESSION}), {"x-claude-code-agent-id": "sub-7"}, "sub-7"),  # a subagent
+        ("a user/with spaces", {}, valid_agent("a user/with spaces")),
+    ],
+)
+def test_claude_code_ids_name_the_agent(user_id: str | None, headers: dict[str, str], agent: str) -> None:
+    body = {**claude_code_body(), "metadata": {} if user_id is None else {"user_id": user_id}}
+    named = anthropic_api.parse(body, headers=headers).fields["agent_id"]
+    assert named == agent and agent_id_problem(named) is None
+
+
+def test_an_id_the_agent_rule_refuses_is_hashed_the_same_each_time() -> None:
+    bad = "x" * 300
+    assert agent_id_problem(valid_agent(bad)) is None and valid_agent(bad) == valid_agent(bad) != bad
+
+
+def test_count_tokens_takes_claude_codes_body_without_the_generation_fields() -> None:
+    body = {key: value for key, value in claude_code_body().items() if key not in ("max_tokens", "stream")}
+    parsed = anthropic_api.parse(body, count=True)
+    assert "max_tokens" not in parsed.fields and parsed.fields["messages"][0]["role"] == "system"
+
+
+def test_clear_thinking_keeps_the_last_turns_thinking() -> None:
+    def turn(n: int) -> dict[str, Any]:
+        return {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": f"t{n}", "signature": "s"},
+                {"type": "text", "text": f"a{n}"},
+            ],
+        }
+
+    messages = [{"role": "user", "content": "q"}, turn(1), {"role": "user", "content": "q"}, turn(2)]
+    edits = {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}]}
+    edited, applied = apply_edits(edits, messages, 0)
+    assert edited[1]["content"] == [{"type": "text", "text": "a1"}] and edited[3] == turn(2)
+    assert applied[0]["cleared_thinking_turns"] == 1
+    assert apply_edits({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}, messages, 0) == (
+        messages,
+        [],
+    )
+
+
+def test_clear_tool_uses_clears_the_oldest_results_past_the_trigger() -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    for n in range(5):
+        messages.append(
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": f"t{n}", "name": "Bash", "input": {"command": "ls"}}],
+            }
+        )
+        messages.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": f"t{n}", "content": "x" * 400}],
+            }
+        )
+    edit = {
+        "type": "clear_tool_uses_20250919",
+        "trigger": {"type": "tool_uses", "value": 3},
+        "keep": {"type": "tool_uses", "value": 2},
+    }
+    edited, applied = apply_edits({"edits": [edit]}, messages, 0)
+    results = [
+        m["content"][0]["content"] for m in edited if m["role"] == "user" and isinstance(m["content"], list)
+    ]
+    assert results == [CLEARED] * 3 + ["x" * 400] * 2
+    assert applied == [
+        {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 3, "cleared_input_tokens": 3 * (402 // 4)}
+    ]
+    assert messages[2]["content"][0]["content"] == "x" * 400  # the request's own messages are not changed
+    below = {**edit, "trigger": {"type": "tool_uses", "value": 5}}
+    assert apply_edits({"edits": [below]}, messages, 0) == (messages, [])
+    with pytest.raises(APIError):
+        apply_edits({"edits": [{"type": "clear_everything"}]}, messages, 0)
+
+
+def test_a_ping_is_anthropics_ping_event() -> None:
+    stream = anthropic_api.MessageStream("j1", "m")
+    assert stream.ping() == b'event: ping\ndata: {"type": "ping"}\n\n'
+
+
+# ---- Codex ---------------------------------------------------------------------------------------------
+
+
+def test_codex_body_is_accepted_with_namespaces_flattened_and_hosted_tools_named() -> None:
+    named = collecting()
+    parsed = responses.parse(codex_body())
+    names = [tool["function"]["name"] for tool in parsed.fields["tools"]]
+    assert names == ["shell", "multi_agent_v1.spawn_agent"]
+    assert parsed.cache_key == "019a7c2e-5f1d-7b3a-9e8c-0d1f2a3b4c5d" and not parsed.store
+    assert named == ["include", "client_metadata", "tools.web_search", "reasoning.summary"]
+    GenerationRequest.model_validate({**parsed.fields, "messages": parsed.messages})
+
+
+def test_codex_thread_id_names_the_agent_without_a_cache_key() -> None:
+    body = {key: value for key, value in codex_body().items() if key != "prompt_cache_key"}
+    assert responses.parse(body).cache_key == "019a7c2e-5f1d-7b3a-9e8c-0d1f2a3b4c5d"
+
+
+def test_a_namespaced_call_goes_back_with_its_namespace_and_renders_flat_again() -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "multi_agent_v1.spawn_agent", "arguments": "{}"},
+    }
+    item = responses.call_item("fc_1", call, "completed")
+    assert (item["name"], item["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    assert "namespace" not in responses.call_item(
+        "fc_2", {**call, "function": {"name": "shell", "arguments": "{}"}}, "completed"
+    )
+    returned = {k: v for k, v in item.items() if k not in ("id", "status")}  # as Codex sends it back
+    items = responses.input_items(
+        [returned, {"type": "function_call_output", "call_id": "call_1", "output": "ok"}]
+    )
+    messages, _, _ = responses.chat_messages(items)
+    assert messages[0]["tool_calls"][0]["function"]["name"] == "multi_agent_v1.spawn_agent"
+
+
+# ---- through the app (no worker: the requests end 503, after their bodies were read) -----------------
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Pool]]:
+    live: dict[str, Pool] = {"smollm2-135m": Pool("smollm2-135m", "kvrq", 1, context=8192)}
+    monkeypatch.setattr(pools, "served_pools", lambda connection: dict(live))
+    yield live
+
+
+def client() -> TestClient:
+    return TestClient(create_app(ServeSettings(), connection=fake_redis()))
+
+
+def test_root_answers_head_and_get() -> None:
+    with client() as http:
+        assert http.head("/").status_code == 200 and http.get("/").status_code == 200
+
+
+def test_models_carry_the_context_clients_read(served: dict[str, Pool]) -> None:
+    with client() as http:
+        (card,) = http.get("/v1/models").json()["data"]
+        assert card["context_length"] == card["context_window"] == card["max_model_len"] == 8192
+        assert card["limit"] == {"context": 8192, "output": 8192}
+        (anthropic,) = http.get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json()["data"]
+        assert anthropic["max_input_tokens"] == 8192
+
+
+def test_the_ignored_header_names_what_each_api_ignored() -> None:
+    """No worker: each request is read and parsed, then answered 503, with the header."""
+    with client() as http:
+        answer = http.post("/v1/messages?beta=true", json=claude_code_body())
+        assert answer.status_code == 503
+        assert answer.headers[HEADER] == "system[0],tools.web_search,output_config.effort"
+        answer = http.post("/v1/responses", json=codex_body())
+        assert answer.headers[HEADER] == "include,client_metadata,tools.web_search,reasoning.summary"
+        plain = http.post(
+            "/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        )
+        assert HEADER not in plain.headers
+
+
+def test_a_clamp_is_reported_only_when_the_context_cut_max_tokens() -> None:
+    pool = Pool("m", "kvrq", 1, context=8192)
+    usage = {"prompt_tokens": 2000, "reused_tokens": 0, "prefilled_tokens": 2000, "generated_tokens": 6}
+    timings = {"queued_s": 0.0, "time_to_first_token_s": None, "total_s": 0.0}
+    result = GenerationResult.model_validate(
+        {
+            "job_id": "j",
+            "agent_id": None,
+            "text": "",
+            "token_ids": [],
+            "finish_reason": "length",
+            "usage": usage,
+            "timings": timings,
+        }
+    )
+    assert clamped_to(pool, 32000, result) == 6192
+    assert clamped_to(pool, 100, result) is None
+    assert clamped_to(Pool("m", "kvrq", 1), 32000, result) is None  # a worker that publishes no context
