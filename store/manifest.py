@@ -347,10 +347,6 @@ class ManifestSummary:
     part_bytes: int
     namespace: str  # "" for a manifest written before the namespace was recorded
 
-    @property
-    def block_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _nbytes in self.blocks)
-
 
 def summarize_manifest(blob: bytes | bytearray | memoryview) -> ManifestSummary:
     """Summary of an intact manifest of this format; BadCacheError otherwise."""

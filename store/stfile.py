@@ -28,15 +28,6 @@ ST_DTYPES: dict[str, np.dtype] = {
     "U16": np.dtype(np.uint16),
     "U8": np.dtype(np.uint8),
 }
-_NUMPY_TO_ST = {
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float16): "F16",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.uint32): "U32",
-    np.dtype(np.uint16): "U16",
-    np.dtype(np.uint8): "U8",
-}
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 _ALIGN = 8  # pad the header so every tensor view starts 8-byte aligned
 
@@ -52,16 +43,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int  # offsets relative to the start of the data section
     end: int
-
-
-def st_dtype(array: np.ndarray, *, bfloat16: bool = False) -> str:
-    """The safetensors dtype name of an array; uint16 arrays may be declared BF16 bits."""
-    if bfloat16 and array.dtype == np.uint16:
-        return "BF16"
-    try:
-        return _NUMPY_TO_ST[array.dtype]
-    except KeyError:
-        raise SafetensorsError(f"dtype {array.dtype} is not supported") from None
 
 
 def encode(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -73,10 +74,21 @@ def require_binary(name: str, install_hint: str) -> str:
     pytest.skip(message)
 
 
+#: Ports handed to servers a test starts: below Linux's ephemeral range (32768-60999), so no client
+#: connection's local port can take one between free_port() and the server's bind.
+_SERVER_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now, outside the range the kernel gives outgoing connections."""
+    for port in random.sample(_SERVER_PORTS, 64):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_SERVER_PORTS}")
 
 
 class RedisServer:

@@ -44,10 +44,6 @@ class MaintenanceReport:
     rescued: dict[str, list[str]] = field(default_factory=dict)  # queue -> job ids put back from intermediate
     skipped: list[str] = field(default_factory=list)  # queues another process was cleaning
 
-    @property
-    def total_abandoned(self) -> int:
-        return sum(len(ids) for ids in self.abandoned.values())
-
 
 def rerun_crashed(
     connection: Redis,

@@ -199,9 +199,3 @@ def dequantize_block(block: KVBlock, spec: ModelCacheSpec) -> KVBlock:
     """A quantized block at full precision (a full-precision block as it is)."""
     (out,) = dequantize_cache(AgentCache(spec, [0] * block.n_tokens, [block])).blocks
     return out
-
-
-def quantize_block(block: KVBlock, spec: ModelCacheSpec, quant: KVQuant) -> KVBlock:
-    """A block quantized as `quant`, converted from whatever precision it is held at."""
-    (out,) = convert_cache(AgentCache(spec, [0] * block.n_tokens, [block]), quant).blocks
-    return out

@@ -172,10 +172,9 @@ def test_resume_equals_fresh_prefill(
     assert resumed.token_ids == reference(model, prompt, 12)
 
 
-# q8 at rest is lossy: where a random tiny model's top-2 margin is below the error it adds, greedy flips.
-# (qwen3_5 was here while it ran on mlx-lm's BatchGenerator: a top-2 margin of 0.007 at the 2nd token
-# flipped under q8's ~0.001; on the ragged batch its q8 resume gives the fresh prefill's tokens.)
-Q8_FLIPS: dict[str, str] = {}
+# q8 at rest is lossy: where a random tiny model's top-2 margin were below the error it adds, greedy
+# would flip. No family here does on the ragged batch (qwen3_5 did on mlx-lm's BatchGenerator: a top-2
+# margin of 0.007 at the 2nd token under q8's ~0.001), so every q8 resume must equal the fresh prefill.
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -195,8 +194,6 @@ def test_resume_through_the_store_equals_fresh_prefill(
     """Turn 1's cache goes through a real store (a fresh instance reads it: nothing in memory) and
     the next turn, and an edited one, resume from it exactly as a fresh prefill would run."""
     arch, model = quantizable
-    if quantization != "none" and arch in Q8_FLIPS:
-        request.applymarker(pytest.mark.xfail(reason=Q8_FLIPS[arch], strict=True))
     uri = f"disk:{tmp_path / 'store'}" if backend == "disk" else request.getfixturevalue("redis_url")
     engine = BlockPoolBatchEngine(
         model, ByteTokenizer(), model_name=f"tiny-{arch}", pool_blocks=32, max_batch=4, max_context=2048

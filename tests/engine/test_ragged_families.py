@@ -181,7 +181,7 @@ def test_kv_bits_is_refused_for_per_layer_shapes_state_and_latent_mla(arch: str,
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="q8 K/V flips this tiny random MoE's greedy choice at the 5th token generated "
-                "for the 40-token prompt (lossy, as Q8_FLIPS in test_families.py): it runs with "
+                "for the 40-token prompt (q8 at rest is lossy): it runs with "
                 "kv_bits, its tokens differ",
             ),
         ),

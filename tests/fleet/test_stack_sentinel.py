@@ -10,7 +10,8 @@ import pytest
 from redis import Redis
 
 from producer.client import Producer
-from tests.worker.stackhelp import ShellCommand, descendants, free_port, wait_gone
+from tests.conftest import free_port
+from tests.worker.stackhelp import ShellCommand, descendants, wait_gone
 from worker.cli.stack import SENTINEL_PORT_OFFSET, port_is_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

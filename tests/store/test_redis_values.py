@@ -21,11 +21,10 @@ from store.resp import get_into
 from store.stfile import encode, parse_header, view
 from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
 
-pytestmark = pytest.mark.integration
 VALUE_BYTES = 5_000
 
 
-@pytest.fixture(params=["redis-server", "fakeredis"])
+@pytest.fixture(params=[pytest.param("redis-server", marks=pytest.mark.integration), "fakeredis"])
 def store(request: pytest.FixtureRequest) -> RedisStore:
     if request.param == "fakeredis":
         return RedisStore(fakeredis.FakeRedis(), tiny_spec(), value_bytes=VALUE_BYTES)
@@ -125,6 +124,7 @@ def _as_version_1(blob: bytes) -> bytes:
     return b"".join([header, *buffers])
 
 
+@pytest.mark.integration
 def test_a_version_1_cache_with_one_value_per_block_still_reads(redis_url: str) -> None:
     spec = tiny_spec()
     old_writer = RedisStore(redis_url, spec)
@@ -147,6 +147,7 @@ def test_a_version_1_cache_with_one_value_per_block_still_reads(redis_url: str) 
     assert sorted(_values(store)) == sorted(store._ref_keys("a", latest.blocks, latest.part_bytes))
 
 
+@pytest.mark.integration
 def test_the_default_value_size_fits_redis(redis_url: str) -> None:
     """SmolLM2's 11.8 MB float32 blocks go out as three values under 4 MB."""
     from engine.core.spec import LayerSpec, ModelCacheSpec
@@ -173,6 +174,7 @@ def test_split_parts_cuts_byte_ranges_without_copying() -> None:
         assert b"".join(bytes(p) for p in single) == b"head" + bytes(range(10)) + b"tail!"
 
 
+@pytest.mark.integration
 def test_get_into_fills_buffers_and_reports_nil_and_other_sizes(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     pool = redis.ConnectionPool.from_url(redis_url)
@@ -190,6 +192,7 @@ def test_get_into_fills_buffers_and_reports_nil_and_other_sizes(redis_url: str) 
     assert all(bytes(targets[key]) == value for key, value in values.items())
 
 
+@pytest.mark.integration
 def test_get_into_disconnects_after_an_error_reply(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     pool = redis.ConnectionPool.from_url(redis_url)
@@ -202,6 +205,7 @@ def test_get_into_disconnects_after_an_error_reply(redis_url: str) -> None:
     assert bytes(target) == b"x" * 10
 
 
+@pytest.mark.integration
 def test_manifest_records_the_value_size(redis_url: str) -> None:
     store = RedisStore(redis_url, tiny_spec(), value_bytes=VALUE_BYTES)
     store.put("a", make_cache(store.spec, tokens(20)))

@@ -52,12 +52,6 @@ def like_a_clone(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def http_get(url: str, timeout: float = 30) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:

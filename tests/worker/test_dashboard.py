@@ -26,9 +26,9 @@ from rq.serializers import JSONSerializer
 
 from producer.client import Producer
 from producer.protocol import JOB_FUNCTION
-from tests.conftest import require_binary
+from tests.conftest import free_port, require_binary
 from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
-from tests.worker.stackhelp import free_port, http_get, serves
+from tests.worker.stackhelp import http_get, serves
 
 REGISTRIES = ("queued", "started", "finished", "failed", "canceled", "deferred", "scheduled")
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy decoding keeps counting: jobs that stay busy

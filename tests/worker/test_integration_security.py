@@ -29,9 +29,9 @@ from redis.exceptions import RedisError
 
 from producer.client import Producer
 from producer.redact import redact_url
-from tests.conftest import REDIS_SERVER_HINT, require_binary
+from tests.conftest import REDIS_SERVER_HINT, free_port, require_binary
 from tests.worker.procs import ROOT, WorkerProcess, wait_for
-from tests.worker.stackhelp import free_port, http_get, serves
+from tests.worker.stackhelp import http_get, serves
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

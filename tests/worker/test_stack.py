@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,11 @@ import pytest
 from redis import Redis
 from redis.exceptions import RedisError
 
+from tests.conftest import free_port
 from tests.worker.stackhelp import (
     ShellCommand,
     accepts,
     descendants,
-    free_port,
     http_get,
     like_a_clone,
     readme_command,
@@ -95,22 +94,10 @@ def test_readme_kvrq_up_runs_the_stack_and_ctrl_c_stops_everything(tmp_path: Pat
 
 def test_readme_honcho_command_runs_the_procfile(tmp_path: Path) -> None:
     command = readme_command(r"KVRQ_REDIS_PORT=6390 \.venv/bin/honcho start")
-    for attempt in (1, 2):
-        redis_port, dashboard_port, http_port = free_port(), free_port(), free_port()
-        clone = tmp_path / f"attempt-{attempt}"
-        clone.mkdir()
-        ports = {"KVRQ_DASHBOARD_PORT": str(dashboard_port), "KVRQ_HTTP_PORT": str(http_port)}
-        run = ShellCommand(with_port(command, redis_port), like_a_clone(clone), ports)
-        try:
-            check_stack_and_stop(run, redis_port, dashboard_port, http_port)
-            break
-        except AssertionError as exc:
-            # honcho stops every process when one exits. Once in a full CI run (unreproduced alone or
-            # under load) it stopped before the worker registered; a free port taken by another test
-            # between free_port() and the bind would do that. Once more, with new ports, and show why.
-            if attempt == 2 or "the command exited" not in str(exc):
-                raise
-            print(f"honcho attempt 1 stopped early, retrying with new ports:\n{exc}", file=sys.stderr)
+    redis_port, dashboard_port, http_port = free_port(), free_port(), free_port()
+    ports = {"KVRQ_DASHBOARD_PORT": str(dashboard_port), "KVRQ_HTTP_PORT": str(http_port)}
+    run = ShellCommand(with_port(command, redis_port), like_a_clone(tmp_path), ports)
+    check_stack_and_stop(run, redis_port, dashboard_port, http_port)
     assert "not found" not in run.log()
 
 

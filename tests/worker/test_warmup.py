@@ -3,9 +3,11 @@ buffers ready for the agents the store served last."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import fakeredis
+import pytest
 
 from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.blocks import AgentCache
@@ -22,6 +24,7 @@ from worker.warmup import (
     returning_agents,
     warm_up,
 )
+from worker.warmup import log as warmup_log
 
 
 def test_warm_up_on_the_real_engine_leaves_nothing_behind() -> None:
@@ -49,13 +52,17 @@ def test_a_pool_too_small_for_the_warm_up_rows_leaves_them_out() -> None:
     assert engine.pool.used_blocks == 0
 
 
-def test_a_warm_up_that_fails_does_not_stop_the_worker() -> None:
+def test_a_warm_up_that_fails_does_not_stop_the_worker(caplog: pytest.LogCaptureFixture) -> None:
     class Broken(FakeEngine):
         def step(self) -> object:
             raise RuntimeError("no kernels today")
 
     engine = Broken(pool_blocks=4096)
-    assert warm_up(engine) >= 0  # logged, not raised
+    with caplog.at_level(logging.WARNING, logger=warmup_log.name):
+        warm_up(engine)  # returns instead of raising
+    failed = [record for record in caplog.records if "warm-up failed" in record.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    assert "no kernels today" in str(failed[0].exc_info[1])
 
 
 def stored(store: DictStore, agent: str, n_tokens: int) -> None:
