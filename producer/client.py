@@ -39,6 +39,7 @@ from producer.protocol import (
     worker_queue_name,
 )
 from producer.redis_url import READ_RETRY, UNSENT, connect, retry_unsent, wait_replicated
+from producer.tenants import Tenant, tenant_of
 
 logger = logging.getLogger("kvrq.producer")
 
@@ -106,11 +107,16 @@ def job_failure(connection: Redis, job_id: str) -> tuple[str, str, str | None]:
 
 
 class JobHandle:
-    """A submitted job. Cheap to create: it holds an id, and reads Redis when asked."""
+    """A submitted job. Cheap to create: it holds an id, and reads Redis when asked.
 
-    def __init__(self, connection: Redis, job_id: str) -> None:
+    A tenant's handle (`tenant`) shows the job as that tenant's client sees it: its result's agent id
+    and its failure's reason with the tenant's qualified agent ids unqualified (producer/tenants.py).
+    """
+
+    def __init__(self, connection: Redis, job_id: str, *, tenant: Tenant | None = None) -> None:
         self.connection = connection
         self.id = job_id
+        self.tenant = tenant
         self._serializer = resolve_serializer(SERIALIZER)
 
     def __repr__(self) -> str:
@@ -175,8 +181,11 @@ class JobHandle:
             latest = Result.fetch_latest(job, serializer=self._serializer)
             if latest is None or latest.type != Result.Type.SUCCESSFUL:
                 raise JobFailedError(self.id, "finished, but its result has expired", status="expired")
-            return GenerationResult.model_validate(latest.return_value)
+            result = GenerationResult.model_validate(latest.return_value)
+            return result if self.tenant is None else self.tenant.result(result)
         code, reason, details = job_failure(self.connection, self.id)
+        if self.tenant is not None:
+            reason, details = self.tenant.unqualified(reason), self.tenant.unqualified(details or reason)
         raise JobFailedError(self.id, reason, status=status, details=details, code=code)
 
     def _read(
@@ -240,7 +249,7 @@ class JobHandle:
                 for entry_id, fields in entries:
                     last_id = entry_id
                     seen_any = True
-                    event = StreamEvent.from_fields(fields)
+                    event = self._seen(StreamEvent.from_fields(fields))
                     yield event
                     if event.final:
                         return
@@ -250,6 +259,12 @@ class JobHandle:
                 yield from ending
                 return
             waiting()
+
+    def _seen(self, event: StreamEvent) -> StreamEvent:
+        """An event as the handle's tenant sees it (an error's text unqualified)."""
+        if self.tenant is None or event.kind != "error" or not event.error:
+            return event
+        return StreamEvent("error", error=self.tenant.unqualified(event.error))
 
     def _ending_without_stream(
         self, key: str, last_id: bytes | str, seen_any: bool
@@ -268,7 +283,7 @@ class JobHandle:
         # The worker writes the end marker before it finishes the rq job: read what is left.
         rest = self._read(key, last_id, block=None, count=100_000)
         if rest:
-            events = [StreamEvent.from_fields(fields) for _, fields in rest]
+            events = [self._seen(StreamEvent.from_fields(fields)) for _, fields in rest]
             if events and events[-1].final:
                 return events
         if status == JobStatus.CANCELED:
@@ -357,9 +372,12 @@ class Producer:
         connection: Redis | None = None,
         default_job_timeout: int = DEFAULT_JOB_TIMEOUT,
         affinity: bool = True,
+        tenant: str | Tenant | None = None,
     ) -> None:
         """`affinity`: send an agent's job to the worker that holds its cache hot (that worker's own
-        queue, drained before the shared one), when that worker is alive; else to the shared queue."""
+        queue, drained before the shared one), when that worker is alive; else to the shared queue.
+        `tenant`: the jobs are that tenant's (its own agents and prefix reuse, walled from every other
+        tenant's and from tenant-less jobs; producer/tenants.py); results show the client's agent ids."""
         if connection is None:
             if redis_url is None:
                 raise ValueError("give redis_url or connection")
@@ -368,6 +386,7 @@ class Producer:
         self.queue_name = queue
         self.default_job_timeout = default_job_timeout
         self.affinity = affinity
+        self.tenant = tenant_of(tenant)
         self._queues: dict[str, Queue] = {}
 
     def close(self) -> None:
@@ -386,11 +405,13 @@ class Producer:
         return self._queues[name]
 
     def handle(self, job_id: str) -> JobHandle:
-        return JobHandle(self.connection, job_id)
+        return JobHandle(self.connection, job_id, tenant=self.tenant)
 
     def conversation(self, agent_id: str) -> list[dict[str, Any]] | None:
         """The agent's messages as of its last finished chat job (OpenAI's chat shape, its answers
         included), or None when it has none: what a `continue` job appends to."""
+        if self.tenant is not None:
+            agent_id = self.tenant.agent(agent_id)
         record = read_conversation(self.connection, agent_id)
         return None if record is None else record.message_dicts()
 
@@ -415,6 +436,8 @@ class Producer:
         URL the call returns once a replica holds the jobs too (`wait`), else raises ConnectionError.
         """
         validated = [_validate(request) for request in requests]
+        if self.tenant is not None:
+            validated = [self.tenant.request(request) for request in validated]
         if job_ids is not None and len(job_ids) != len(validated):
             raise ValueError(f"{len(job_ids)} job ids for {len(validated)} requests")
         handles = retry_unsent(lambda: self._submit(validated, job_ids))

@@ -55,7 +55,13 @@ def add_batch_commands(subparsers: Any) -> argparse.ArgumentParser:
         help="most jobs of the run queued or running at once (default: what the workers advertise, else 16)",
     )
     run.add_argument(
-        "--run-id", default=None, help="name of the run (default: derived from the input and queue)"
+        "--run-id", default=None, help="name of the run (default: derived from the input, queue and tenant)"
+    )
+    run.add_argument(
+        "--tenant",
+        default=None,
+        help="run the lines as this tenant's: its agents (kvrq.agent_id) and prefix reuse, walled from "
+        "other tenants' (the tenant of `kvrq serve` API keys; docs/security.md, Tenants)",
     )
     run.add_argument(
         "--progress",
@@ -106,6 +112,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             progress=progress,
             log=lambda text: print(text, file=sys.stderr, flush=True),
             log_interval_s=args.log_interval,
+            tenant=args.tenant,
         )
     except KeyboardInterrupt:
         _err(f"interrupted; queued jobs keep running. Run the same command again to resume: {args.output}")

@@ -38,6 +38,7 @@ from producer.batch.run import BatchRun, RunState, derive_run_id, job_id_for, va
 from producer.liveness import WorkerWatch, live_workers
 from producer.protocol import CAPACITY_FIELD, DEFAULT_QUEUE
 from producer.redis_url import connect
+from producer.tenants import Tenant
 
 logger = logging.getLogger("kvrq.batch")
 
@@ -111,17 +112,21 @@ def run_batch(
     log: Callable[[str], None] | None = None,
     log_interval_s: float = 10.0,
     poll_interval_s: float = 0.5,
+    tenant: str | None = None,
 ) -> BatchSummary:
     """Run every line of `input_path` (OpenAI Batch JSONL) and append one result line each to `output_path`.
 
     Call it again with the same files to resume. `progress`: True for a tqdm bar, False for log lines
     (through `log`, default the `kvrq.batch` logger), None for a bar only when stderr is a TTY.
+    `tenant`: the lines' agents and prefix reuse are that tenant's (producer/tenants.py).
     """
     started = time.monotonic()
     data, items = read_input(input_path)
     if run_id is None:
-        run_id = derive_run_id(data, queue)
+        run_id = derive_run_id(data, queue, tenant)
     validate_run_id(run_id)
+    if tenant is not None:
+        items = tenant_lines(items, Tenant(tenant))
     if concurrency is not None and concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     output = BatchOutput(output_path).open()
@@ -140,7 +145,7 @@ def run_batch(
             items,
             output,
             BatchRun(connection, run_id),
-            jobs if jobs is not None else RqJobSource(connection, queue),
+            jobs if jobs is not None else RqJobSource(connection, queue, tenant=tenant),
             queue=queue,
             concurrency=concurrency,
             input_path=str(input_path),
@@ -153,6 +158,20 @@ def run_batch(
         return driver.run(started)
     finally:
         output.close()
+
+
+def tenant_lines(items: list[BatchRequest | BadLine], tenant: Tenant) -> list[BatchRequest | BadLine]:
+    """The lines as `tenant`'s: a line whose agent id cannot be the tenant's (too long to qualify)
+    becomes an error line, not a failed run."""
+    out: list[BatchRequest | BadLine] = []
+    for item in items:
+        if isinstance(item, BatchRequest) and item.agent_id is not None:
+            try:
+                tenant.agent(item.agent_id)
+            except ValueError as exc:
+                item = BadLine(item.line, item.custom_id, "invalid_request", f"line {item.line}: {exc}")
+        out.append(item)
+    return out
 
 
 class BatchDriver:

@@ -80,9 +80,10 @@ class JobSource(Protocol):
 class RqJobSource:
     """JobSource over rq jobs enqueued by the kvrq Producer (JSON serializer, deterministic ids)."""
 
-    def __init__(self, connection: Redis, queue: str) -> None:
+    def __init__(self, connection: Redis, queue: str, *, tenant: str | None = None) -> None:
+        """`tenant`: the run's jobs are that tenant's (producer/tenants.py)."""
         self.connection = connection
-        self.producer = Producer(connection=connection, queue=queue)
+        self.producer = Producer(connection=connection, queue=queue, tenant=tenant)
         self._serializer = resolve_serializer(SERIALIZER)
         self._stream_pos: dict[str, bytes | str] = {}
 
@@ -122,6 +123,8 @@ class RqJobSource:
                 )
             return JobOutcome("finished", result=latest.return_value)
         code, reason, _ = job_failure(self.connection, job_id)
+        if self.producer.tenant is not None:
+            reason = self.producer.tenant.unqualified(reason)
         return JobOutcome("failed", error=reason, code=code)
 
     def wait(self, job_ids: Sequence[str], timeout_s: float) -> None:

@@ -35,11 +35,14 @@ RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SAFE_CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def derive_run_id(input_bytes: bytes, queue: str) -> str:
-    """Same input file and queue give the same run, which is what makes a rerun resume it."""
+def derive_run_id(input_bytes: bytes, queue: str, tenant: str | None = None) -> str:
+    """Same input file and queue give the same run, which is what makes a rerun resume it; another
+    tenant's run of the same file is another run (its own jobs and results)."""
     digest = hashlib.sha256()
     digest.update(queue.encode())
     digest.update(b"\0")
+    if tenant is not None:
+        digest.update(f"tenant\0{tenant}\0".encode())
     digest.update(input_bytes)
     return f"batch-{digest.hexdigest()[:16]}"
 

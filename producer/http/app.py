@@ -29,8 +29,8 @@ from producer.client import JobHandle, Producer
 from producer.http import anthropic_api, conversations_routes, openai_api
 from producer.http.body import parsed_body
 from producer.http.bridge import DEFAULT_THREADS, Bridge, ClientGone, disconnected
-from producer.http.errors import APIError, ServerErrors, flavor_of, from_validation
-from producer.http.guard import ApiKeys, BodyLimit
+from producer.http.errors import APIError, ServerErrors, flavor_of, from_validation, invalid
+from producer.http.guard import ApiKeys, BodyLimit, request_tenant
 from producer.http.ignored import IgnoredFields
 from producer.http.model_cards import CLAMP_HEADER, anthropic_model, clamped_to, openai_model
 from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
@@ -55,6 +55,8 @@ class ServeSettings:
     #: 429 when the model's queue already holds this many jobs (None: no limit).
     max_queued: int | None = None
     api_keys: tuple[str, ...] = ()
+    #: (key, tenant) for the keys an operator named a tenant for; any other key is a tenant of its own.
+    key_tenants: tuple[tuple[str, str], ...] = ()
     threads: int = DEFAULT_THREADS
     #: Cut a max_tokens beyond what the context leaves to what it leaves (clients send 32,000 to a
     #: local model's 8K context); False (KVRQ_STRICT_MAX_TOKENS=1) answers those 400 instead.
@@ -77,7 +79,8 @@ def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> F
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(IgnoredFields)
     if settings.api_keys:
-        app.add_middleware(ApiKeys, keys=settings.api_keys)
+        named = dict(settings.key_tenants)
+        app.add_middleware(ApiKeys, keys={key: named.get(key) for key in settings.api_keys})
     _add_error_handlers(app)
     front = _Front(settings, bridge, directory)
 
@@ -119,7 +122,7 @@ def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> F
     async def count_tokens(request: Request) -> Response:
         return await front.count_tokens(request)
 
-    conversations_routes.add_routes(app, front, _body, keyed=bool(settings.api_keys))
+    conversations_routes.add_routes(app, front, _body)
     return app
 
 
@@ -218,6 +221,13 @@ class _Front:
             )
         except ValidationError as exc:
             raise from_validation(exc) from None
+        # Under API keys, the one place every route's job becomes its tenant's (producer/tenants.py).
+        tenant = request_tenant(request.scope)
+        if tenant is not None:
+            try:
+                generation = tenant.request(generation)
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
         pool = await self.bridge.run(self.directory.resolve, model)
         generation = generation.model_copy(update={"queue": pool.queue})
         if self.settings.max_queued is not None:
@@ -230,6 +240,7 @@ class _Front:
                     retry_after=RETRY_AFTER_S,
                 )
         handle = await self.bridge.submit(generation)
+        handle.tenant = tenant  # what the client reads back shows its own agent ids
         logger.info(
             "job %s: %s %s, model %s, queue %s, agent %s",
             handle.id,

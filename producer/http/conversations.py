@@ -9,13 +9,13 @@ answers (the Response object, the items) and what a later request is checked aga
 function_call_output may answer, the instructions in force); the conversation's messages and KV live
 with the agent in the worker's store, so a follow-up resumes on any worker, after any restart.
 
-Records belong to the API key that made them (its SHA-256, never the key): another key reads them as
-missing, the same answer as for an id that never existed. Without keys configured there is one scope.
+Records belong to the tenant of the API key that made them (producer/tenants.py; a bare key's tenant is
+its SHA-256, never the key): another tenant reads them as missing, the same answer as for an id that
+never existed, and their agents are the tenant's qualified ones. Without keys there is one scope, ''.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import time
@@ -23,10 +23,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from redis import Redis
-from starlette.datastructures import Headers
+from starlette.types import Scope
 
 from producer.conversation import forget_conversation
+from producer.http.guard import request_tenant
 from producer.protocol import conversation_items_key, conversation_key, response_key
+from producer.tenants import Tenant
 
 #: Seconds a record lives after it was last written (OpenAI keeps responses 30 days).
 RECORD_TTL_S = 30 * 24 * 3600
@@ -49,16 +51,15 @@ def reserved_agent(agent_id: object) -> bool:
     return isinstance(agent_id, str) and agent_id.startswith(RESERVED_AGENT_PREFIXES)
 
 
-def scope_of(headers: Headers, keyed: bool) -> str:
-    """The scope of a request: a digest of the API key it offered (`keyed`: the server requires keys),
-    else the one shared scope ''."""
-    if not keyed:
-        return ""
-    offered = headers.get("x-api-key") or ""
-    bearer = headers.get("authorization") or ""
-    if bearer[:7].lower() == "bearer ":
-        offered = bearer[7:].strip()
-    return hashlib.sha256(offered.encode()).hexdigest()
+def scope_of(scope: Scope) -> str:
+    """The owner of a request's records: the tenant of its API key, else (no keys) the one scope ''."""
+    tenant = request_tenant(scope)
+    return "" if tenant is None else tenant.name
+
+
+def worker_agent(agent_id: str, owner: str) -> str:
+    """The agent id the worker keeps a record's agent under: qualified for its owner's tenant."""
+    return Tenant(owner).agent(agent_id) if owner else agent_id
 
 
 @dataclass
@@ -116,11 +117,11 @@ class Records:
         if record is not None:
             self.connection.delete(response_key(ident))
             if record.conversation is None:
-                self.forget_agent(record.agent_id)
+                self.forget_agent(record.agent_id, owner)
         return record
 
-    def forget_agent(self, agent_id: str) -> None:
-        forget_conversation(self.connection, agent_id)
+    def forget_agent(self, agent_id: str, owner: str) -> None:
+        forget_conversation(self.connection, worker_agent(agent_id, owner))
 
     def conversation(self, ident: str, owner: str) -> StoredConversation | None:
         data = self._load(conversation_key(ident), owner)
@@ -146,7 +147,7 @@ class Records:
         record = self.conversation(ident, owner)
         if record is not None:
             self.connection.delete(conversation_key(ident), conversation_items_key(ident))
-            self.forget_agent(record.agent_id)
+            self.forget_agent(record.agent_id, owner)
         return record
 
     def conversation_items(self, ident: str) -> list[dict[str, Any]]:

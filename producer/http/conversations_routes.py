@@ -57,15 +57,14 @@ class Plan:
 
 
 class ResponsesAPI:
-    def __init__(self, front: Front, records: Records, read_body: BodyReader, *, keyed: bool) -> None:
+    def __init__(self, front: Front, records: Records, read_body: BodyReader) -> None:
         self.front = front
         self.bridge = front.bridge
         self.records = records
         self.read_body = read_body
-        self.keyed = keyed
 
     def owner(self, request: Request) -> str:
-        return scope_of(request.headers, self.keyed)
+        return scope_of(request.scope)
 
     # ---- /v1/responses ----
 
@@ -153,7 +152,7 @@ class ResponsesAPI:
         parsed = plan.parsed
         calls = sorted(plan.known_calls | parsed.calls | api.call_ids(final["output"]))
         if not parsed.store and parsed.previous_response_id is not None and plan.agent_id is not None:
-            self.records.forget_agent(plan.agent_id)  # the fork no later request can name
+            self.records.forget_agent(plan.agent_id, plan.owner)  # the fork no later request can name
         if parsed.store and plan.agent_id is not None:
             record = StoredResponse(
                 plan.owner,
@@ -262,10 +261,10 @@ def _paging(request: Request, *, default_order: str) -> dict[str, Any]:
     return {"limit": limit, "order": order, "after": query.get("after")}
 
 
-def add_routes(app: FastAPI, front: Front, read_body: BodyReader, *, keyed: bool) -> None:
-    """The Responses and Conversations routes, on the app's Redis (`keyed`: records are scoped to the
-    API key a request offers)."""
-    routes = ResponsesAPI(front, Records(front.bridge.producer.connection), read_body, keyed=keyed)
+def add_routes(app: FastAPI, front: Front, read_body: BodyReader) -> None:
+    """The Responses and Conversations routes, on the app's Redis (records are scoped to the tenant of
+    the API key a request offers, when the server takes keys)."""
+    routes = ResponsesAPI(front, Records(front.bridge.producer.connection), read_body)
     app.add_api_route("/v1/responses", routes.create, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", routes.get, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", routes.delete, methods=["DELETE"])

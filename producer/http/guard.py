@@ -3,14 +3,16 @@
 Both are plain ASGI middleware, so a body over the limit is refused from its Content-Length header
 (413) without reading it, and one sent without that header is cut off as soon as it passes the limit.
 API keys come as `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic); each offered
-key is compared with every configured one in constant time, and no key is ever logged.
+key is compared with every configured one in constant time, and no key is ever logged. Each key is a
+tenant's (producer/tenants.py): the one an operator named beside it in the key file, else one derived
+from a digest of the key; the request carries its tenant on (`request_tenant`).
 """
 
 from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,13 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.http.errors import APIError, flavor_of
+from producer.tenants import Tenant, key_tenant, tenant_problem
 
 #: Paths open without a key (a load balancer's health check).
 OPEN_PATHS = frozenset({"/health"})
 API_KEYS_ENV = "KVRQ_API_KEYS"
+#: Where ApiKeys leaves the tenant of the key a request offered, in the ASGI scope.
+TENANT_SCOPE_KEY = "kvrq.tenant"
 
 
 def error_response(scope: Scope, error: APIError) -> JSONResponse:
@@ -60,37 +65,80 @@ class BodyLimit:
 
 
 class ApiKeys:
-    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
-        self.app = app
-        self.keys = [key.encode() for key in keys]
+    """401 without a valid key; with one, its tenant goes into the scope (TENANT_SCOPE_KEY).
 
-    def allows(self, scope: Scope) -> bool:
+    `keys`: key -> the tenant an operator named (None: derived from the key, `key_tenant`)."""
+
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str | None]) -> None:
+        self.app = app
+        self.keys = [(key.encode(), Tenant(tenant or key_tenant(key))) for key, tenant in keys.items()]
+
+    def tenant(self, scope: Scope) -> Tenant | None:
+        """The tenant of the key the request offers; None when it offers no valid key."""
         offered = _header(scope, b"x-api-key")
         bearer = _header(scope, b"authorization")
         if bearer is not None and bearer[:7].lower() == "bearer ":
             offered = bearer[7:].strip()
         if offered is None:
-            return False
+            return None
         candidate = offered.encode()
-        matches = [hmac.compare_digest(candidate, key) for key in self.keys]  # every key, whichever matches
-        return any(matches)
+        found = None
+        for key, tenant in self.keys:  # every key compared, whichever matches
+            if hmac.compare_digest(candidate, key):
+                found = tenant
+        return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS and not self.allows(scope):
-            error = APIError(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key)")
-            await error_response(scope, error)(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+            tenant = self.tenant(scope)
+            if tenant is None:
+                error = APIError(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key)")
+                await error_response(scope, error)(scope, receive, send)
+                return
+            scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
 
 
+def request_tenant(scope: Scope) -> Tenant | None:
+    """The tenant of a request (None: the server takes no keys, one space for all)."""
+    tenant = scope.get(TENANT_SCOPE_KEY)
+    return tenant if isinstance(tenant, Tenant) else None
+
+
 def load_keys(path: str | None, env: dict[str, str] | os._Environ[str] | None = None) -> list[str]:
-    """API keys: one per line of `path` (blank lines and # comments skipped), plus KVRQ_API_KEYS
-    (comma-separated). None of either: the server needs no key."""
+    """The API keys of `load_key_tenants`, without their tenants."""
+    return list(load_key_tenants(path, env))
+
+
+def load_key_tenants(
+    path: str | None, env: dict[str, str] | os._Environ[str] | None = None
+) -> dict[str, str | None]:
+    """API keys -> the tenant an operator named (None: derived from the key). The file `path` has one
+    key per line, optionally followed by whitespace and its tenant (`KEY acme`: keys of one tenant share
+    its agents, which is how a key is rotated); blank lines and # comments are skipped. KVRQ_API_KEYS
+    adds bare keys (comma-separated). None of either: the server needs no key. ValueError names the
+    line of a bad tenant or a key listed twice, never the key."""
     environ: Any = os.environ if env is None else env
-    keys = [key.strip() for key in environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
+    keys: dict[str, str | None] = {}
+
+    def add(key: str, tenant: str | None, where: str) -> None:
+        if key in keys:
+            raise ValueError(f"{where}: this API key is listed twice")
+        if tenant is not None and (problem := tenant_problem(tenant)) is not None:
+            raise ValueError(f"{where}: {problem}")
+        keys[key] = tenant
+
+    for key in environ.get(API_KEYS_ENV, "").split(","):
+        if key.strip():
+            add(key.strip(), None, API_KEYS_ENV)
     if path is not None:
-        lines = Path(path).read_text().splitlines()
-        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            parts = line.split()
+            if not parts or parts[0].startswith("#"):
+                continue
+            if len(parts) > 2:
+                raise ValueError(f"{path}:{number}: a line is KEY or KEY TENANT")
+            add(parts[0], parts[1] if len(parts) == 2 else None, f"{path}:{number}")
     return keys
 
 

@@ -2,7 +2,8 @@
 
 The conversation lives in the queue's Redis (producer/conversation.py) and in the agent's cache
 manifest in the store; these commands read and clear both. An agent with jobs still held or running
-is left alone: a running turn would write its conversation back right after a reset.
+is left alone: a running turn would write its conversation back right after a reset. `--tenant` names
+a tenant's agent by the id its clients use (producer/tenants.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def add_agent_commands(commands: argparse._SubParsersAction, redis_default: str)
             "--redis", default=redis_default, help="the queue's Redis URL [$KVRQ_REDIS_URL or local]"
         )
         action.add_argument("--store", help="disk:PATH, redis (the queue's) or redis://... [$KVRQ_STORE]")
+        action.add_argument(
+            "--tenant", help="the agent of this tenant (AGENT as its clients name it; docs/security.md)"
+        )
         if name == "show":
             action.add_argument("--json", action="store_true", help="the messages as a JSON array")
     agent.set_defaults(func=run_agent_command)
@@ -49,10 +53,16 @@ def run_agent_command(
 ) -> int:
     from producer.protocol import agent_id_problem
     from producer.redis_url import connect
+    from producer.tenants import Tenant
 
     out, err = out or sys.stdout, err or sys.stderr
-    if (problem := agent_id_problem(args.agent_id)) is not None:
-        print(f"kvrq agent: {problem}", file=err)
+    try:
+        if (problem := agent_id_problem(args.agent_id)) is not None:
+            raise ValueError(problem)
+        tenant = getattr(args, "tenant", None)
+        args.stored_id = args.agent_id if tenant is None else Tenant(tenant).agent(args.agent_id)
+    except ValueError as exc:
+        print(f"kvrq agent: {exc}", file=err)
         return EXIT_USAGE
     connection = connect(args.redis)
     try:
@@ -66,8 +76,8 @@ def run_agent_command(
 def show(connection: Any, args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     from producer.conversation import read_conversation
 
-    record = read_conversation(connection, args.agent_id)
-    info = _with_store(args, err, lambda store: store.info(args.agent_id))
+    record = read_conversation(connection, args.stored_id)
+    info = _with_store(args, err, lambda store: store.info(args.stored_id))
     if record is None and info is None:
         print(f"kvrq agent: agent {args.agent_id} has no conversation and no cache", file=err)
         return EXIT_FAILED
@@ -97,7 +107,7 @@ def forget(connection: Any, args: argparse.Namespace, out: IO[str], err: IO[str]
     from producer.conversation import forget_conversation
     from producer.protocol import agent_jobs_key
 
-    held = int(connection.zcard(agent_jobs_key(args.agent_id)))
+    held = int(connection.zcard(agent_jobs_key(args.stored_id)))
     if held:
         print(
             f"kvrq agent: agent {args.agent_id} has {held} job(s) held or running; wait for them to end "
@@ -108,10 +118,10 @@ def forget(connection: Any, args: argparse.Namespace, out: IO[str], err: IO[str]
 
     def clear(store: Any) -> bool:
         if args.action == "delete":
-            store.unpin(args.agent_id)
-        return bool(store.delete(args.agent_id))
+            store.unpin(args.stored_id)
+        return bool(store.delete(args.stored_id))
 
-    had_conversation = forget_conversation(connection, args.agent_id)
+    had_conversation = forget_conversation(connection, args.stored_id)
     had_cache = _with_store(args, err, clear)
     if not had_conversation and not had_cache:
         print(f"kvrq agent: agent {args.agent_id} has no conversation and no cache", file=err)

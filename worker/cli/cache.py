@@ -4,7 +4,8 @@ It opens the store itself (store.open_for_admin: manifests only, no model, no ML
 workers use: `--store` or KVRQ_STORE (`redis`: KVRQ_REDIS_URL's Redis). Programs call the same
 backend methods (`list`, `info`, `delete`, `pin`, `unpin`); Producer has none of them, since
 the producer package depends on nothing else in kvrq and the store may not import it
-(docs/worker.md, "Agents' caches").
+(docs/worker.md, "Agents' caches"). `--tenant` shows one tenant's agents by the ids its clients use
+(producer/tenants.py); without it an operator sees every agent, tenants' ones qualified (`t:TENANT:ID`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import IO, TYPE_CHECKING
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:  # the store is imported when a cache command runs, not when the CLI starts
+    from producer.tenants import Tenant
     from store.backend import BlockBackend
     from store.base import CacheInfo
 
@@ -34,6 +36,10 @@ def add_cache_commands(commands: argparse._SubParsersAction) -> None:
     cache.add_argument(
         "--store",
         help="disk:PATH, redis (KVRQ_REDIS_URL's), redis://... or shards:URL|URL|... [$KVRQ_STORE]",
+    )
+    cache.add_argument(
+        "--tenant",
+        help="only this tenant's agents, named as its clients name them (docs/security.md, Tenants)",
     )
     actions = cache.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
@@ -63,12 +69,17 @@ def run_cache_command(
     from redis.exceptions import RedisError
 
     from producer.redis_url import connect
+    from producer.tenants import tenant_of
     from store.agent_ids import InvalidAgentIdError
     from store.errors import StoreError
     from store.factory import open_for_admin
 
     out, err = out or sys.stdout, err or sys.stderr
-
+    try:
+        tenant = tenant_of(getattr(args, "tenant", None))
+    except ValueError as exc:
+        print(f"kvrq cache: {exc}", file=err)
+        return EXIT_USAGE
     settings = WorkerSettings(**({"store": args.store} if args.store else {}))
     try:
         store = open_for_admin(settings.store_uri(), connect=connect)
@@ -77,9 +88,9 @@ def run_cache_command(
         return EXIT_USAGE
     try:
         if args.action == "list":
-            return list_agents(store, out, namespace=args.namespace)
-        return per_agent(store, args.action, args.agents, out, err)
-    except InvalidAgentIdError as exc:
+            return list_agents(store, out, namespace=args.namespace, tenant=tenant)
+        return per_agent(store, args.action, args.agents, out, err, tenant=tenant)
+    except (InvalidAgentIdError, ValueError) as exc:
         print(f"kvrq cache: {exc}", file=err)
         return EXIT_USAGE
     except (StoreError, RedisError) as exc:  # a Redis (or one shard of a sharded store) went away
@@ -89,18 +100,29 @@ def run_cache_command(
         store.close()
 
 
-def list_agents(store: BlockBackend, out: IO[str], *, namespace: str | None = None) -> int:
-    infos = [info for info in (store.info(agent) for agent in store.list()) if info is not None]
+def list_agents(
+    store: BlockBackend, out: IO[str], *, namespace: str | None = None, tenant: Tenant | None = None
+) -> int:
+    agents = store.list()
+    if tenant is not None:
+        agents = [agent for agent in agents if tenant.own(agent) is not None]
+    infos = [info for info in (store.info(agent) for agent in agents) if info is not None]
     if namespace is not None:
         infos = [info for info in infos if info.namespace == namespace]
     if not infos:
-        print("no agent caches" + (f" in namespace {namespace}" if namespace is not None else ""), file=out)
+        where = "".join(
+            (
+                f" of tenant {tenant.name}" if tenant is not None else "",
+                f" in namespace {namespace}" if namespace is not None else "",
+            )
+        )
+        print(f"no agent caches{where}", file=out)
         return EXIT_OK
     rows = [("AGENT", "NAMESPACE", "TOKENS", "SIZE", "LAST USE", "SHARED/ALL BLOCKS", "PINNED")]
     for info in sorted(infos, key=lambda i: i.last_used, reverse=True):
         rows.append(
             (
-                info.agent_id,
+                info.agent_id if tenant is None else tenant.unqualified(info.agent_id),
                 namespace_text(info.namespace),
                 str(info.n_tokens),
                 size_text(info.nbytes),
@@ -122,18 +144,28 @@ def list_agents(store: BlockBackend, out: IO[str], *, namespace: str | None = No
     return EXIT_OK
 
 
-def per_agent(store: BlockBackend, action: str, agents: list[str], out: IO[str], err: IO[str]) -> int:
+def per_agent(
+    store: BlockBackend,
+    action: str,
+    agents: list[str],
+    out: IO[str],
+    err: IO[str],
+    *,
+    tenant: Tenant | None = None,
+) -> int:
+    """`action` on each agent (`tenant`: named as the tenant's clients name them)."""
     failed = False
     for agent in agents:
+        stored = agent if tenant is None else tenant.agent(agent)
         if action == "show":
-            info = store.info(agent)
+            info = store.info(stored)
             if info is None:
                 print(f"no cache for agent {agent}", file=err)
                 failed = True
             else:
-                print(show_text(info), file=out)
+                print(show_text(info, agent), file=out)
             continue
-        done = {"delete": store.delete, "pin": store.pin, "unpin": store.unpin}[action](agent)
+        done = {"delete": store.delete, "pin": store.pin, "unpin": store.unpin}[action](stored)
         if done:
             print(f"agent {agent}: {action}{'d' if action.endswith('e') else 'ned'}", file=out)
         else:
@@ -143,10 +175,11 @@ def per_agent(store: BlockBackend, action: str, agents: list[str], out: IO[str],
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def show_text(info: CacheInfo) -> str:
+def show_text(info: CacheInfo, name: str | None = None) -> str:
+    """`name`: the agent as the reader knows it (a tenant's client id), else its stored id."""
     return "\n".join(
         (
-            f"agent {info.agent_id}",
+            f"agent {name or info.agent_id}",
             f"  namespace: {namespace_text(info.namespace)}",
             f"  tokens: {info.n_tokens}",
             f"  size: {size_text(info.nbytes)} ({info.nbytes} bytes, quantization {info.quantization})",

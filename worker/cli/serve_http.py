@@ -43,7 +43,10 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
         "--max-queued", type=int, help="answer 429 while the model's queue holds this many jobs [no limit]"
     )
     serve.add_argument(
-        "--api-key-file", help="require an API key: one per line (also $KVRQ_API_KEYS, comma-separated)"
+        "--api-key-file",
+        help="require an API key: one per line, optionally followed by its tenant (KEY TENANT; keys of "
+        "one tenant share its agents and prefix reuse, other tenants see none of them); also "
+        "$KVRQ_API_KEYS, comma-separated bare keys (docs/security.md, Tenants)",
     )
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error [info]")
     serve.set_defaults(func=_cmd_serve)
@@ -54,7 +57,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from producer.http.app import ServeSettings, create_app
-        from producer.http.guard import load_keys
+        from producer.http.guard import load_key_tenants
     except ImportError as exc:
         print(f"{INSTALL_HINT} ({exc})", file=sys.stderr)
         return 2
@@ -62,13 +65,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    keys = load_keys(args.api_key_file)
+    try:
+        keys = load_key_tenants(args.api_key_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvrq serve: {exc}", file=sys.stderr)
+        return 2
     settings = ServeSettings(
         redis_url=args.redis,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         request_timeout_s=args.request_timeout,
         max_queued=args.max_queued,
         api_keys=tuple(keys),
+        key_tenants=tuple((key, tenant) for key, tenant in keys.items() if tenant is not None),
     )
     log = logging.getLogger("kvrq.http")
     log.info(
@@ -76,7 +84,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.host,
         args.port,
         redact_url(args.redis),
-        f", {len(keys)} API key(s)" if keys else "",
+        f", {len(keys)} API key(s) of {len({tenant or key for key, tenant in keys.items()})} tenant(s)"
+        if keys
+        else "",
     )
     if not keys and args.host not in LOOPBACKS:
         log.warning(
