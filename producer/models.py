@@ -530,6 +530,20 @@ class Timings(BaseModel):
     )
 
 
+class SchemaCheck(BaseModel):
+    """A response_format answer validated against its full schema when it ended (worker/schema_check.py).
+
+    The grammar cannot hold every keyword (`not`, `if`/`then`, `uniqueItems`, ...): those are named in
+    `unenforced`, and an answer that breaks one (or that max_tokens cut) has `valid` false and the reason.
+    """
+
+    valid: bool
+    violation: str | None = Field(default=None, description="where and how the answer breaks its schema")
+    unenforced: list[str] = Field(
+        default_factory=list, description="what of the schema the grammar did not enforce while decoding"
+    )
+
+
 class GenerationResult(BaseModel):
     """The rq return value of a finished job (stored as JSON).
 
@@ -550,3 +564,6 @@ class GenerationResult(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     model: str = ""
     worker: str = ""
+    schema_check: SchemaCheck | None = Field(
+        default=None, description="with response_format json_object / json_schema: the answer checked"
+    )

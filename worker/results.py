@@ -11,6 +11,7 @@ from producer.models import FinishReason, GenerationResult, Timings, Usage
 from worker.held import HeldJob
 from worker.latency import CacheLabel, Observations
 from worker.logprobs import LogprobFormatter
+from worker.schema_check import schema_check
 
 if TYPE_CHECKING:
     from engine.core.results import Completion
@@ -43,13 +44,15 @@ def build_result(
     held: HeldJob, completion: Completion, *, model: str, worker: str, logprobs: LogprobFormatter
 ) -> dict[str, Any]:
     """The job's result; with an output splitter, the answer apart from its reasoning and tool calls
-    (a row that ended with a tool call and nothing else to say finishes with "tool_calls")."""
+    (a row that ended with a tool call and nothing else to say finishes with "tool_calls"); a
+    response_format answer checked against its whole schema (`schema_check`, the finish reason unchanged)."""
     split = held.output
     finish_reason = answer_finish_reason(split, completion.finish_reason)
+    text = completion.text if split is None else split.text
     result = GenerationResult(
         job_id=held.id,
         agent_id=held.agent_id,
-        text=completion.text if split is None else split.text,
+        text=text,
         token_ids=list(completion.token_ids),
         finish_reason=finish_reason,
         tool_calls=None if split is None else split.tool_calls or None,
@@ -64,6 +67,7 @@ def build_result(
         metadata=held.request.metadata,
         model=model,
         worker=worker,
+        schema_check=schema_check(held.sampling.grammar, text),
     )
     return result.model_dump(mode="json")
 

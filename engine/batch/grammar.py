@@ -23,8 +23,10 @@ import llguidance.numpy as llnumpy
 import mlx.core as mx
 import numpy as np
 
+from engine.batch.json_schema import CompiledGrammar, compile_json_schema, grammar_text
+from engine.batch.schema_rewrite import rewritten
 from engine.core.errors import InvalidRequestError
-from engine.core.params import OutputGrammar, with_json_whitespace
+from engine.core.params import OutputGrammar
 
 _COMPILED_KEPT = 64
 
@@ -41,30 +43,31 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[OutputGrammar, str] = OrderedDict()
+        self._compiled: OrderedDict[OutputGrammar, CompiledGrammar] = OrderedDict()
 
     def check(self, grammar: OutputGrammar) -> None:
         """InvalidRequestError naming what llguidance cannot compile; nothing is kept for a bad one."""
         self._compile(grammar)
 
+    def unenforced(self, grammar: OutputGrammar) -> tuple[str, ...]:
+        """What the compiled grammar does not enforce (a JSON schema's ignored keywords), one line each."""
+        return self._compile(grammar).unenforced
+
     def processor(self, grammar: OutputGrammar) -> GrammarProcessor:
         tokenizer = self._lltokenizer()
         return GrammarProcessor(
-            llguidance.LLMatcher(tokenizer, self._compile(grammar)),
+            llguidance.LLMatcher(tokenizer, self._compile(grammar).grammar),
             vocab_size=self._vocab_size or tokenizer.vocab_size,
             grammar_vocab=tokenizer.vocab_size,
             stop_token_ids=self._stop_token_ids,
         )
 
-    def _compile(self, grammar: OutputGrammar) -> str:
+    def _compile(self, grammar: OutputGrammar) -> CompiledGrammar:
         compiled = self._compiled.get(grammar)
         if compiled is not None:
             self._compiled.move_to_end(grammar)
             return compiled
-        compiled = _grammar_text(grammar)
-        problem = llguidance.LLMatcher.validate_grammar(compiled, self._lltokenizer())
-        if problem:
-            raise InvalidRequestError(f"the {grammar.what} cannot be enforced: {problem.strip()}")
+        compiled = _compiled_grammar(grammar, self._lltokenizer())
         self._compiled[grammar] = compiled
         if len(self._compiled) > _COMPILED_KEPT:
             self._compiled.popitem(last=False)
@@ -82,22 +85,28 @@ class GrammarCompiler:
         return self._ll_tokenizer
 
 
-def _grammar_text(grammar: OutputGrammar) -> str:
+def _compiled_grammar(grammar: OutputGrammar, tokenizer: llguidance.LLTokenizer) -> CompiledGrammar:
+    """The grammar checked against the tokenizer, or InvalidRequestError saying why it cannot be enforced."""
     if grammar.kind == "json_schema":
         try:
             schema = json.loads(grammar.source)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"the {grammar.what} is not JSON: {exc}") from None
         try:
-            return json_schema_grammar(schema)
+            return compile_json_schema(schema, tokenizer)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"the {grammar.what} cannot be enforced: {exc}") from None
-    return str(llguidance.grammar_from("lark", grammar.source))
+    text = str(llguidance.grammar_from("lark", grammar.source))
+    problem = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+    if problem:
+        raise InvalidRequestError(f"the {grammar.what} cannot be enforced: {problem.strip()}")
+    return CompiledGrammar(text)
 
 
 def json_schema_grammar(schema: Any) -> str:
-    """llguidance's grammar for a JSON schema, with kvrq's whitespace rule."""
-    return str(llguidance.LLMatcher.grammar_from_json_schema(with_json_whitespace(schema)))
+    """llguidance's grammar for a JSON schema, with kvrq's whitespace rule and compile options (not
+    validated: llguidance.LLMatcher.validate_grammar says whether it can be enforced)."""
+    return grammar_text(rewritten(schema))
 
 
 class GrammarProcessor:

@@ -1,0 +1,70 @@
+"""Every finished response_format answer validated against its full schema.
+
+The grammar enforces what llguidance can and ignores the rest (engine/batch/json_schema.py): an answer
+may break `not`, `if`/`then`, `uniqueItems`, a `format` llguidance does not know, or a `oneOf` it held
+as `anyOf`, and max_tokens may cut it. So the result never says "valid" on the grammar's word: it says
+what the validator (jsonschema, the schema's own draft or 2020-12, format checker on) found.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from jsonschema import exceptions, validators
+from jsonschema.protocols import Validator
+
+from engine.batch.json_schema import unenforced_keywords
+from engine.core.params import OutputGrammar
+from producer.models import SchemaCheck
+
+_VIOLATION_CHARS = 300
+_KEPT = 64
+
+
+def schema_check(grammar: OutputGrammar | None, answer: str) -> SchemaCheck | None:
+    """`answer` checked against the JSON schema of `grammar`; None for no grammar or a Lark one."""
+    if grammar is None or grammar.kind != "json_schema":
+        return None
+    return SchemaCheck(
+        valid=(violation := answer_violation(grammar.source, answer)) is None,
+        violation=violation,
+        unenforced=list(unenforced_keywords(grammar.source)),
+    )
+
+
+def answer_violation(source: str, answer: str) -> str | None:
+    """Where and how `answer` breaks the schema `source` (JSON text); None when it is valid."""
+    try:
+        document = json.loads(answer)
+    except json.JSONDecodeError as exc:
+        return _short(f"the answer is not JSON: {exc}")
+    return instance_violation(source, document)
+
+
+def instance_violation(source: str, document: Any) -> str | None:
+    """Where and how the JSON value `document` breaks the schema `source`; None when it is valid.
+
+    A schema the validator cannot apply (a reference it cannot resolve, a pattern Python cannot
+    compile) is a violation too: nothing unchecked is called valid.
+    """
+    try:
+        error = exceptions.best_match(_validator(source).iter_errors(document))
+    except Exception as exc:  # jsonschema raises many kinds (Unresolvable, re.error, ...): all unchecked
+        return _short(f"the answer could not be checked against the schema: {type(exc).__name__}: {exc}")
+    if error is None:
+        return None
+    where = "/".join(str(part) for part in error.absolute_path)
+    return _short(f"at /{where}: {error.message} (keyword {error.validator!r})")
+
+
+@functools.lru_cache(maxsize=_KEPT)
+def _validator(source: str) -> Validator:
+    schema = json.loads(source)
+    cls = validators.validator_for(schema, default=validators.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _VIOLATION_CHARS else text[: _VIOLATION_CHARS - 3] + "..."
