@@ -3,8 +3,9 @@
 Real-world schemas use keywords llguidance's grammar cannot hold (`not`, `if`/`then`, `uniqueItems`,
 `contains`, unknown `format`s, `oneOf`). Refusing them refused about one schema in six of the MaskBench
 corpus, so instead: what has an equivalent llguidance enforces is rewritten into it (schema_rewrite.py),
-`oneOf` is enforced as `anyOf` (coerce_one_of), every other unimplemented keyword is ignored by the
-grammar (lenient) and named in `unenforced`. The finished answer is then validated against the full
+`oneOf` is enforced as `anyOf` (coerce_one_of: exact where llguidance proves the branches disjoint, else it
+warns), every other unimplemented keyword is ignored by the grammar (lenient); each warning is kept in
+`unenforced`. The finished answer is then validated against the full
 schema (worker/schema_check.py), so an answer breaking an unenforced keyword is reported, never passed.
 
 A schema's own "x-guidance" options win over these defaults: `{"lenient": false}` asks for the refusal.
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
-from engine.batch.schema_rewrite import has_keyword, rewritten
+from engine.batch.schema_rewrite import rewritten
 from engine.core.params import with_json_whitespace
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 #: llguidance's JSON compile options under a schema's own "x-guidance" (which may override them).
 COMPILE_DEFAULTS: JsonCompileOptions = {"lenient": True, "coerce_one_of": True}
-ONE_OF_COERCED = "oneOf (enforced as anyOf: an answer matching several branches is not refused)"
 _KEPT = 64
 
 
@@ -52,8 +52,6 @@ def compile_json_schema(schema: Any, tokenizer: llguidance.LLTokenizer | None = 
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if not is_error:
             unenforced = [_first_line(message) for message in messages]
-            if has_keyword(candidate, "oneOf") and not any("oneOf" in line for line in unenforced):
-                unenforced.append(ONE_OF_COERCED)
             return CompiledGrammar(text, tuple(dict.fromkeys(unenforced)))
         problem = problem or (_first_line(messages[0]) if messages else "unknown error")
     raise ValueError(problem)

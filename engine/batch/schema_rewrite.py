@@ -3,7 +3,7 @@
 Each rewrite is exact (the rewritten schema accepts the same documents), so the grammar enforces the
 keyword instead of ignoring it:
 
-- `dependencies` (draft 4-7), `dependentRequired` and `dependentSchemas` (2019-09+): "if `a` is present,
+- `dependencies` (drafts 4-7), `dependentRequired` and `dependentSchemas` (2019-09+): "if `a` is present,
   so are `b`, `c`" / "so the object matches S" becomes `anyOf: [{a absent}, {required: [a, b, c]}]` /
   `anyOf: [{a absent}, {allOf: [{required: [a]}, S]}]`, `a absent` written as `properties: {a: false}`;
 - `not: {}` / `not: true` (nothing is valid, as in `additionalProperties: {not: {}}`) becomes `false`;
@@ -17,8 +17,10 @@ Pure Python on plain JSON values; the input is never modified.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
+
+from jsonschema import validators
 
 #: Keywords whose value is one subschema.
 _ONE = (
@@ -44,21 +46,16 @@ Schema = Any  # a dict, or a boolean schema
 
 
 def rewritten(schema: Schema) -> Schema:
-    """`schema` with every rewritable keyword, at any depth, replaced by its enforced equivalent."""
-    return _walk(schema, _rewrite_one)
+    """`schema` with every rewritable keyword, at any depth, replaced by its enforced equivalent.
 
-
-def has_keyword(schema: Schema, keyword: str) -> bool:
-    """Whether `keyword` is used by `schema` or any of its subschemas (not as a property name)."""
-    found = False
-
-    def look(node: dict[str, Any]) -> dict[str, Any]:
-        nonlocal found
-        found = found or keyword in node
-        return node
-
-    _walk(schema, look)
-    return found
+    Only keywords of the schema's own draft (its `$schema`, else 2020-12, as the final validation reads
+    it) are rewritten: `dependencies` means nothing to 2020-12, so enforcing it there would refuse
+    answers the validator accepts.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    known = validators.validator_for(schema, default=validators.Draft202012Validator).VALIDATORS
+    return _walk(schema, lambda node: _rewrite_one(node, known))
 
 
 def _walk(schema: Schema, change: Callable[[dict[str, Any]], Schema]) -> Schema:
@@ -78,15 +75,13 @@ def _walk(schema: Schema, change: Callable[[dict[str, Any]], Schema]) -> Schema:
     return change(node)
 
 
-def _rewrite_one(node: dict[str, Any]) -> Schema:
+def _rewrite_one(node: dict[str, Any], known: Container[str]) -> Schema:
     added: list[Schema] = []
     dependencies = node.get("dependencies")
-    if isinstance(dependencies, dict) and all(
-        isinstance(v, list | dict | bool) for v in dependencies.values()
-    ):
+    if "dependencies" in known and isinstance(dependencies, dict) and _all_dependencies(dependencies):
         added += [_dependency(name, then) for name, then in node.pop("dependencies").items()]
     for key in ("dependentRequired", "dependentSchemas"):
-        if isinstance(node.get(key), dict):
+        if key in known and isinstance(node.get(key), dict):
             added += [_dependency(name, then) for name, then in node.pop(key).items()]
     if "not" in node:
         negated = _negation(node["not"])
