@@ -24,6 +24,7 @@ from engine.batch.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBa
 from engine.batch.checkpoints import CheckpointingBatchBackend
 from engine.batch.grammar import GrammarCompiler
 from engine.batch.sampling import make_processors, make_sampler
+from engine.batch.speculation import RowSpeculation, SampledDraws, Speculation, can_draft
 from engine.batch.textstream import TextStream
 from engine.core.admission import Admission
 from engine.core.blocks import AgentCache, BlockPool, common_prefix_length
@@ -31,6 +32,7 @@ from engine.core.errors import InvalidRequestError
 from engine.core.params import SamplingParams
 from engine.core.results import Completion, FinishReason, StepOutput, TokenDelta, TokenLogprobs, Usage
 from engine.core.spec import ModelCacheSpec
+from engine.core.switches import switch
 from engine.kv.arena import KVArena
 from engine.kv.buffers import keep_buffers_resident, yield_to_the_step
 from engine.kv.convert import caches_to_blocks, copy_into_blocks, host_layers
@@ -90,6 +92,7 @@ class BlockPoolBatchEngine:
         ragged: bool | None = None,
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
+        speculation: bool | None = None,
     ) -> None:
         """`prefill_tokens_per_step` bounds the prompt tokens run between two decode steps
         (the ragged batch); `ragged=None` uses the ragged batch wherever it is supported,
@@ -97,7 +100,10 @@ class BlockPoolBatchEngine:
 
         `kv_bits` (8 or 4; `kv_group_size` 32, 64 or 128, default 64) keeps running K/V and
         finished blocks quantized (engine/kv/quantized.py), and the pool's budget counts
-        quantized bytes; the ragged batch only (ValueError elsewhere)."""
+        quantized bytes; the ragged batch only (ValueError elsewhere).
+
+        `speculation` (None: the KVRQ_SPECULATION switch, on unless set off) lets decoding rows
+        verify prompt-lookup drafts where it pays (engine/batch/speculation.py); ragged batch only."""
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.model = model
@@ -159,6 +165,11 @@ class BlockPoolBatchEngine:
         else:
             self._backend = MlxBatchBackend(model, max_batch=max_batch, prefill_step_size=prefill_step_size)
         self.ragged = use_ragged
+        if speculation is None:
+            speculation = switch("KVRQ_SPECULATION")
+        self.speculation: Speculation | None = None
+        if speculation and isinstance(self._backend, RaggedBackend) and not self._backend.generator.latent:
+            self.speculation = self._backend.generator.speculation = Speculation()
         self._sequences: dict[int, _Sequence] = {}
         # Cutting a finished sequence's KV into blocks is a copy of all of it: done on this
         # thread it stalled the whole batch for the step a burst of sequences ended in.
@@ -271,6 +282,8 @@ class BlockPoolBatchEngine:
             self.pool.free(owner)
             raise
         self.pool.rename(owner, uid)
+        if self.speculation is not None:
+            self._may_draft(uid, params)
         self._sequences[uid] = _Sequence(
             uid=uid,
             agent_id=agent_id,
@@ -283,6 +296,13 @@ class BlockPoolBatchEngine:
             logprobs=[] if params.logprobs else None,
         )
         return uid
+
+    def _may_draft(self, uid: int, params: SamplingParams) -> None:
+        """Give a ragged row its drafting state where it can draft (engine/batch/speculation.py)."""
+        assert isinstance(self._backend, RaggedBackend)
+        row = self._backend.generator.rows[uid]
+        if can_draft(row):
+            row.speculation = RowSpeculation(sampled=SampledDraws(params) if params.temperature else None)
 
     def check(self, params: SamplingParams) -> None:
         """InvalidRequestError for what this model can never honour: a value outside its vocabulary,

@@ -46,6 +46,7 @@ from engine.batch import acceleration
 from engine.batch.attention import AttentionCall, QuantizedCall, fused_attention
 from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
+from engine.batch.speculation import RowSpeculation, Speculation, accept_greedy
 from engine.batch.state_rows import FlatCacheList, FlatStateCache, route_state_mixers
 from engine.batch.step_cost import StepCost
 from engine.core.params import LogitsProcessor
@@ -346,6 +347,21 @@ def layer_windows(model: Any) -> list[int | None]:
     ]
 
 
+def verified(rows: list[Row], values: list[int]) -> list[tuple[int, list[int]]]:
+    """Each row's tokens from the step's greedy picks, in order (a drafted row's k + 1 of them):
+    one for a plain row, the accepted drafts and the model's token after them for a drafted one."""
+    out, at = [], 0
+    for row in rows:
+        if row.drafting:
+            n = len(row.pending)
+            out.append((row.uid, accept_greedy(row.pending[1:], values[at : at + n])))
+            at += n
+        else:
+            out.append((row.uid, values[at : at + 1]))
+            at += 1
+    return out
+
+
 def holds_all(row: Any) -> bool:
     """Whether every layer of the row holds its tokens from position 0: what the ShortSlots copy in
     (a sliding layer's WindowKVCache may have dropped the tokens before its window)."""
@@ -380,6 +396,7 @@ class Row:
     processors: list[LogitsProcessor] = field(default_factory=list)  # this row's own, mlx-lm's signature
     top_logprobs: int | None = None  # None: no logprobs; else how many best tokens besides the chosen
     ended: bool = False  # a processor ended the row on its last token
+    speculation: RowSpeculation | None = None  # drafts from its context (engine/batch/speculation.py)
 
     @property
     def plain(self) -> bool:
@@ -394,6 +411,11 @@ class Row:
     @property
     def decoding(self) -> bool:
         return bool(self.sampled)
+
+    @property
+    def drafting(self) -> bool:
+        """Decoding with draft tokens after its last one this step (speculation)."""
+        return bool(self.sampled) and len(self.pending) > 1
 
     @property
     def finished(self) -> bool:
@@ -415,6 +437,8 @@ class StepStats:
     prompt_tokens: int = 0  # prompt tokens fed this step
     decode_rows: int = 0
     forward_s: float = 0.0
+    draft_tokens: int = 0  # draft tokens verified this step (speculation)
+    accepted_tokens: int = 0  # of which accepted
 
 
 class RaggedBatchGenerator:
@@ -452,6 +476,7 @@ class RaggedBatchGenerator:
         self._held_back_last_step = False
         self._next_uid = 0
         self.cost = StepCost()  # bounds the finishing rows a step carries (engine/batch/step_cost.py)
+        self.speculation: Speculation | None = None  # drafting policy, where the engine turns it on
 
     def insert(
         self,
@@ -507,11 +532,13 @@ class RaggedBatchGenerator:
         samples its first token from it. Finished rows stay until `remove`."""
         self.steps += 1
         live = [row for row in self.rows.values() if not row.finished]
+        chunks = self._prefill_chunks([row for row in live if not row.decoding])
+        self._draft(live, chunks)
         self._assign_slots(live)
         slotted = list(self.slots.rows)  # first: their tokens lead the flat batch
         runs = [(row, 1) for row in slotted]
-        runs += [(row, 1) for row in live if row.decoding and row not in self.slots]
-        runs += self._prefill_chunks([row for row in live if not row.decoding])
+        runs += [(row, len(row.pending)) for row in live if row.decoding and row not in self.slots]
+        runs += chunks
         stats = StepStats(decode_rows=sum(1 for row in live if row.decoding))
         if not runs:
             self.last_step = stats
@@ -523,13 +550,16 @@ class RaggedBatchGenerator:
         for row, n in runs:
             fed = row.pending[:n]
             del row.pending[:n]
+            if row.sampled and n > 1:
+                out += self._take_drafted(row, fed, sampled[row.uid], logprobs.get(row.uid), stats)
+                continue
             row.cached_tokens.extend(fed)
             if not row.decoding:
                 stats.prompt_tokens += n
                 self.prompt_tokens_run += n - (0 if row.pending else 1)
             if row.pending:
                 continue  # prompt not done: no token yet
-            token = sampled[row.uid]
+            token = sampled[row.uid][0]
             row.pending = [token]
             row.sampled.append(token)
             reason = None
@@ -539,9 +569,56 @@ class RaggedBatchGenerator:
                 reason = "stop"
             elif len(row.sampled) >= row.max_tokens:
                 reason = "length"
-            out.append(RowToken(row.uid, token, reason, logprobs.get(row.uid)))
+            reported = logprobs.get(row.uid)
+            out.append(RowToken(row.uid, token, reason, reported[0] if reported else None))
         self.last_step = stats
-        self.cost.record(stats)
+        if self.speculation is not None:
+            self.speculation.record_step(stats)
+        if not stats.draft_tokens:  # draft tokens are no prompt tokens: StepCost learns plain steps only
+            self.cost.record(stats)
+        return out
+
+    def _draft(self, live: list[Row], chunks: list[tuple[Row, int]]) -> None:
+        """Put this step's drafts after the last token of the rows the speculation policy picks."""
+        if self.speculation is None:
+            return
+        decoding = [row for row in live if row.decoding]
+        candidates = [(row, row.speculation) for row in decoding if row.speculation is not None]
+        extra_s = sum(n for _, n in chunks) * (self.cost.per_token_s or 0.0)
+        for uid, draft in self.speculation.plan(candidates, len(decoding), self.steps, extra_s).items():
+            self.rows[uid].pending += draft
+
+    def _take_drafted(
+        self,
+        row: Row,
+        fed: list[int],
+        tokens: list[int],
+        logprobs: list[TokenLogprobs] | None,
+        stats: StepStats,
+    ) -> list[RowToken]:
+        """A drafted row's verified tokens, up to the first that ends it; its caches keep the fed
+        tokens before each kept one and drop the rest (a trim: the next step writes over them)."""
+        assert row.speculation is not None
+        drafted, accepted = len(fed) - 1, len(tokens) - 1
+        row.speculation.record(drafted, accepted, self.steps)
+        stats.draft_tokens += drafted
+        stats.accepted_tokens += accepted
+        out = []
+        for i, token in enumerate(tokens):
+            row.sampled.append(token)
+            reason = None
+            if token in row.stop_token_ids:
+                reason = "stop"
+            elif len(row.sampled) >= row.max_tokens:
+                reason = "length"
+            out.append(RowToken(row.uid, token, reason, logprobs[i] if logprobs else None))
+            if reason is not None:
+                break
+        kept = len(out)
+        row.cached_tokens.extend(fed[:kept])
+        row.pending = [out[-1].token]
+        for layer in row.layers:
+            layer.trim(len(fed) - kept)
         return out
 
     def _prefill_chunks(self, prefilling: list[Row]) -> list[tuple[Row, int]]:
@@ -588,20 +665,24 @@ class RaggedBatchGenerator:
         """Finished rows and rows about to outgrow SHORT_ROW_TOKENS leave the slots; short
         decoding rows enter them."""
         for row in list(self.slots.rows):
-            if row.finished or row.length + 1 > SHORT_ROW_TOKENS:
+            if row.finished or row.drafting or row.length + 1 > SHORT_ROW_TOKENS:
                 self.slots.leave(row)
         for row in live if self.short_slots else ():
             if (
                 row.decoding
+                and not row.drafting
                 and row.length + 1 <= SHORT_ROW_TOKENS
                 and row not in self.slots
                 and holds_all(row)
             ):
                 self.slots.enter(row)
 
-    def _forward(self, runs: list[tuple[Row, int]]) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+    def _forward(
+        self, runs: list[tuple[Row, int]]
+    ) -> tuple[dict[int, list[int]], dict[int, list[TokenLogprobs]]]:
         """Run the flat batch; sample a token for every row whose pending tokens all ran (and the
-        log probabilities of the rows that asked for them)."""
+        log probabilities of the rows that asked for them); a drafted row's tokens are its verified
+        drafts and the one after them."""
         tokens: list[int] = []
         positions: list[int] = []
         for row, n in runs:
@@ -659,10 +740,16 @@ class RaggedBatchGenerator:
             mx.eval(written)
             return {}, {}
         # Padded like the step's rows (engine/cpu/gemm_rows.py): the head's matmul is the step's largest.
-        picks = [end for _, end in finishing]
-        picks += picks[-1:] * (acceleration.padded_rows(len(picks), shortcuts) - len(picks))
+        # A drafted row's every position is projected: each verifies the draft token after it.
+        picks = [
+            p
+            for row, end in finishing
+            for p in range(end + 1 - (len(row.pending) if row.drafting else 1), end + 1)
+        ]
+        n_picks = len(picks)
+        picks += picks[-1:] * (acceleration.padded_rows(n_picks, shortcuts) - n_picks)
         picked = hidden[mx.array(picks)]
-        picked = (picked if self._head is None else self._head(picked))[: len(finishing)]
+        picked = (picked if self._head is None else self._head(picked))[:n_picks]
         rows = [row for row, _ in finishing]
         if all(row.plain for row in rows):
             # Greedy: the log-softmax shifts a row by one constant, so argmax needs no exp
@@ -670,15 +757,19 @@ class RaggedBatchGenerator:
             choice = mx.argmax(picked, axis=-1)
             mx.eval(choice, written)
             values: list[int] = choice.tolist()  # type: ignore[assignment]
-            return {row.uid: token for row, token in zip(rows, values, strict=True)}, {}
+            return dict(verified(rows, values)), {}
         return self._sample_rows(rows, picked, written)
 
     def _sample_rows(
         self, rows: list[Row], picked: mx.array, written: list[Any]
-    ) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+    ) -> tuple[dict[int, list[int]], dict[int, list[TokenLogprobs]]]:
         """Each row on its own: its processors on its (1, vocab) logits (given the row's tokens so far,
-        as mlx-lm gives them), then its sampler or argmax; logprobs after the processors, as mlx-lm's."""
-        parts = mx.split(picked, len(rows), axis=0)
+        as mlx-lm gives them), then its sampler or argmax; logprobs after the processors, as mlx-lm's.
+        A drafted row (never one with processors) verifies its draft over its (k + 1, vocab) logits:
+        greedy against their argmax, sampled by speculative sampling (engine/batch/speculation.py)."""
+        sizes = [len(row.pending) if row.drafting else 1 for row in rows]
+        bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+        parts = mx.split(picked, bounds, axis=0) if bounds else [picked]
         choices, all_logprobs = [], []
         for row, logits in zip(rows, parts, strict=True):
             if row.processors:
@@ -686,13 +777,23 @@ class RaggedBatchGenerator:
                 for processor in row.processors:
                     logits = processor(context, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            choices.append(mx.argmax(logprobs, axis=-1) if row.sampler is None else row.sampler(logprobs))
+            sampled_draft = row.drafting and row.sampler is not None
+            if row.sampler is None or sampled_draft:  # a sampled draft draws in verify, below
+                choices.append(mx.argmax(logprobs, axis=-1))
+            else:
+                choices.append(row.sampler(logprobs))
             all_logprobs.append(logprobs)
         choice = mx.concatenate(choices)
         mx.eval(choice, written)
         values: list[int] = choice.tolist()  # type: ignore[assignment]
+        tokens = dict(verified(rows, values))
+        for row, logprobs in zip(rows, all_logprobs, strict=True):
+            if row.drafting and row.sampler is not None:
+                assert row.speculation is not None and row.speculation.sampled is not None
+                tokens[row.uid] = row.speculation.sampled.verify(logprobs, row.pending[1:])
         reported = {}
-        for row, token, logprobs in zip(rows, values, all_logprobs, strict=True):
+        for row, logprobs in zip(rows, all_logprobs, strict=True):
             if row.top_logprobs is not None:
-                (reported[row.uid],) = token_logprobs(logprobs, [token], row.top_logprobs)
-        return {row.uid: token for row, token in zip(rows, values, strict=True)}, reported
+                chosen = tokens[row.uid]
+                reported[row.uid] = token_logprobs(logprobs[: len(chosen)], chosen, row.top_logprobs)
+        return tokens, reported
