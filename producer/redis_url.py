@@ -123,9 +123,24 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     )
 
 
+class RedisURLError(ValueError):
+    """A Redis URL that cannot be used as written (scheme, port, options); the message names the
+    problem, password masked. `kvrq` commands print it as one line and exit 2."""
+
+
 def connect(url: str, **pool_options: Any) -> Redis:
     """A client for `url` (any form above); `pool_options` as for redis-py's pools (max_connections,
-    socket_timeout, command_packer, ...), where the URL's own options win. Nothing is sent until used."""
+    socket_timeout, command_packer, ...), where the URL's own options win. Nothing is sent until used;
+    a malformed URL is a RedisURLError."""
+    try:
+        return _client(url, pool_options)
+    except RedisURLError:
+        raise
+    except ValueError as exc:  # building a client parses only: every ValueError is the URL's
+        raise RedisURLError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
+
+
+def _client(url: str, pool_options: dict[str, Any]) -> Redis:
     if is_sentinel_url(url):
         target = parse_sentinel_url(url)
         options = {**SENTINEL_SOCKET_DEFAULTS, **pool_options, **target.options}
@@ -144,10 +159,12 @@ def connect(url: str, **pool_options: Any) -> Redis:
         )
         return client
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(
+        raise RedisURLError(
             f"unknown Redis URL {redact_url(url)!r}: use redis://, rediss://, unix:// or "
             "redis+sentinel://HOST:PORT,.../MASTER"
         )
+    if not url.startswith("unix://") and urlsplit(url).port == 0:  # .port: ValueError when out of range
+        raise ValueError("port 0 (redis-py would silently use 6379)")
     kwargs = parse_url(url)
     plain = {Connection: FailoverConnection, SSLConnection: FailoverSSLConnection}
     connection_class = kwargs.get("connection_class", Connection)

@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
 from producer.redact import redact_url
+from producer.redis_url import RedisURLError, connect
 from worker.settings import WorkerSettings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -195,6 +196,7 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     settings = worker_settings(args)
+    connect(settings.redis_url)  # a malformed URL stops here, before minutes of model loading
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -277,6 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except RedisURLError as exc:  # a usage error, as argparse's are: one line, exit 2
+        print(f"kvrq: {exc}", file=sys.stderr)
+        return 2
     except RedisError as exc:  # bad credentials, TLS, a Redis that is down: one line, no traceback
         url = getattr(args, "redis", None) or getattr(args, "redis_url", None) or _redis_url()
         print(f"kvrq: Redis at {redact_url(url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
