@@ -12,7 +12,9 @@ Every field the API defines is accepted: what kvrq cannot act on is named in `x-
 `x-anthropic-billing-header` system block is client bookkeeping (its `cch=` changes every request):
 it is left out of the prompt, so it never breaks the agent's reuse. A `role: "system"` message in the
 middle of `messages` is folded into the next user turn, ahead of its text (every template renders a
-user turn; not all take a system message after the first), so later turns keep the same prefix.
+user turn; not all take a system message after the first); with no user turn next (the last
+messages, or an assistant's next) they are a user turn of their own. Either way a message renders the
+same whatever later turns append, so each turn resumes the whole of the one before.
 `context_management` edits are applied before rendering (context_edits.py).
 
 Usage follows Anthropic's meaning: `input_tokens` are the prompt tokens run through the model,
@@ -202,6 +204,9 @@ def _messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         if message["role"] == "user" and pending and isinstance(content, str | list):
             blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
             content = [{"type": "text", "text": text + "\n\n"} for text in pending] + blocks
+            pending = []
+        elif message["role"] == "assistant" and pending:  # as they were rendered when they came last
+            out.append({"role": "user", "content": "\n\n".join(pending)})
             pending = []
         if isinstance(content, str):
             out.append({"role": message["role"], "content": content})

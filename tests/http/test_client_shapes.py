@@ -60,7 +60,8 @@ def claude_code_body(cch: str = "a1b2c", turns: list[dict[str, Any]] | None = No
         "system": [
             {
                 "type": "text",
-                "text": f"x-anthropic-billing-header: cc_version=2.1.197.e3f; cc_entrypoint=sdk-cli; cch={cch};",
+                "text": "x-anthropic-billing-header: cc_version=2.1.197.e3f; cc_entrypoint=sdk-cli; "
+                f"cch={cch};",
             },
             {
                 "type": "text",
@@ -114,7 +115,12 @@ def codex_body() -> dict[str, Any]:
                         "type": "function",
                         "name": "spawn_agent",
                         "description": "Start a sub-agent.",
-                        "parameters": {"type": "object", "properties": {"task": {"type": "string"}}},
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"task": {"type": "string"}},
+                            "required": ["task"],
+                            "additionalProperties": False,
+                        },
                         "defer_loading": False,
                     }
                 ],
@@ -370,3 +376,13 @@ def test_a_clamp_is_reported_only_when_the_context_cut_max_tokens() -> None:
     assert clamped_to(pool, 32000, result) == 6192
     assert clamped_to(pool, 100, result) is None
     assert clamped_to(Pool("m", "kvrq", 1), 32000, result) is None  # a worker that publishes no context
+
+
+def test_system_messages_render_the_same_once_the_answer_is_appended() -> None:
+    """Turn 1 ends with system messages (their own user turn); turn 2 appends the answer and a new
+    user turn: the messages of turn 1 render unchanged, so turn 2 resumes all of turn 1."""
+    first = claude_code_body()["messages"]
+    turn_one = anthropic_api.parse(claude_code_body(turns=first)).fields["messages"]
+    later = [*first, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Next."}]
+    turn_two = anthropic_api.parse(claude_code_body(turns=later)).fields["messages"]
+    assert turn_two[: len(turn_one)] == turn_one
