@@ -23,6 +23,7 @@ from producer.batch.format import (
     response_body,
 )
 from producer.http.errors import Flavor, invalid
+from producer.http.ignored import ignore
 from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import DONE, data_event
 from producer.models import GenerationResult
@@ -63,7 +64,7 @@ def parse(url: str, body: dict[str, Any], *, agent: str | None = None) -> Parsed
         raise invalid("'model' must be a string", param="model")
     memory = memory_fields(body)
     if url == CHAT_URL:
-        body = narrowed_to_allowed_tools(body)
+        body = narrowed_to_allowed_tools(_without_ignored(body))
     try:
         fields = chat_request(body) if url == CHAT_URL else completion_request(body)
     except LineError as exc:
@@ -72,6 +73,37 @@ def parse(url: str, body: dict[str, Any], *, agent: str | None = None) -> Parsed
     if agent or key:
         fields["agent_id"] = client_agent(agent or key, "the agent (prompt_cache_key or X-Kvrq-Agent)")
     return Parsed(url, model, fields, bool(stream), include_usage)
+
+
+#: Chat fields the API defines that change nothing here: taken out of the body and named in
+#: x-kvrq-ignored (batch runs take the first four silently: producer/batch/format.py).
+CHAT_IGNORED_FIELDS = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_retention",
+    "verbosity",
+    "prediction",
+    "web_search_options",  # a hosted tool: kvrq searches nothing
+)
+
+
+def _without_ignored(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` without CHAT_IGNORED_FIELDS (each named), `modalities: ["text"]` (what kvrq answers
+    anyway) and `reasoning_effort`, which becomes the template's enable_thinking (`none`: off)."""
+    out = dict(body)
+    for name in CHAT_IGNORED_FIELDS:
+        if out.pop(name, None) is not None:
+            ignore(name)
+    if out.get("modalities") == ["text"]:
+        del out["modalities"]
+    effort = out.pop("reasoning_effort", None)
+    kwargs = out.get("chat_template_kwargs")
+    if effort is not None and (kwargs is None or isinstance(kwargs, dict)):  # another: pydantic's 400
+        out["chat_template_kwargs"] = {"enable_thinking": effort != "none", **(kwargs or {})}
+    return out
 
 
 def narrowed_to_allowed_tools(body: dict[str, Any]) -> dict[str, Any]:

@@ -4,14 +4,16 @@ the wire: ../shared/PLATFORM-NOTES.md, Round 5), through the parsers and the app
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from producer.http import anthropic_api, pools
+from producer.batch.format import CHAT_URL
+from producer.http import anthropic_api, openai_api, pools, sse
 from producer.http import responses_api as responses
 from producer.http.app import ServeSettings, create_app
 from producer.http.client_ids import valid_agent
@@ -21,7 +23,7 @@ from producer.http.ignored import HEADER, collecting
 from producer.http.model_cards import clamped_to
 from producer.http.pools import Pool
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import agent_id_problem
+from producer.protocol import StreamEvent, agent_id_problem
 from tests.producer.fakes import fake_redis
 
 SESSION = "5b0f3c1e-7d4a-4b8e-9c2f-1a2b3c4d5e6f"
@@ -175,7 +177,7 @@ def test_a_changed_cch_leaves_the_prompt_unchanged() -> None:
 
 
 def test_mid_conversation_system_messages_fold_into_the_next_user_turn() -> None:
-    turns = [
+    turns: list[dict[str, Any]] = [
         {"role": "user", "content": "Hi"},
         {
             "role": "assistant",
@@ -386,3 +388,87 @@ def test_system_messages_render_the_same_once_the_answer_is_appended() -> None:
     later = [*first, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Next."}]
     turn_two = anthropic_api.parse(claude_code_body(turns=later)).fields["messages"]
     assert turn_two[: len(turn_one)] == turn_one
+
+
+# ---- opencode and other chat clients ---------------------------------------------------------------------
+
+
+def test_chat_fields_that_change_nothing_are_named_and_reasoning_effort_is_honored() -> None:
+    named = collecting()
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 32000,
+        "user": "u1",
+        "store": False,
+        "verbosity": "low",
+        "web_search_options": {},
+        "modalities": ["text"],
+        "reasoning_effort": "none",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    parsed = openai_api.parse(CHAT_URL, body)
+    assert parsed.fields["chat_template_kwargs"] == {"enable_thinking": False}
+    assert named == ["user", "store", "verbosity", "web_search_options"]
+    GenerationRequest.model_validate(parsed.fields)
+    with pytest.raises(APIError):  # audio out cannot be given: 400, not a text answer
+        openai_api.parse(CHAT_URL, {**body, "modalities": ["text", "audio"]})
+
+
+# ---- pings while the first token is still to come ---------------------------------------------------------
+
+
+class SlowBridge:
+    """A bridge whose job's first token comes after `delay` seconds, then ends."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.canceled: list[object] = []
+
+    async def events(self, handle: object, *, timeout: float) -> AsyncIterator[StreamEvent]:
+        await asyncio.sleep(self.delay)
+        yield StreamEvent(kind="delta", text="Hi")
+        yield StreamEvent(kind="end", finish_reason="stop")
+
+    async def first(
+        self,
+        handle: object,
+        events: AsyncIterator[StreamEvent],
+        *,
+        timeout: float,
+        gone: Coroutine[Any, Any, Any],
+    ) -> StreamEvent:
+        gone.close()  # the client stays
+        return await anext(events)
+
+    async def result_after_end(self, handle: object) -> None:
+        return None
+
+    def cancel_soon(self, handle: object) -> None:
+        self.canceled.append(handle)
+
+
+async def _streamed(delay: float) -> list[str]:
+    bridge = SlowBridge(delay)
+    response = await sse.open_stream(
+        bridge,  # type: ignore[arg-type]
+        object(),  # type: ignore[arg-type]
+        anthropic_api.MessageStream("j1", "m"),
+        timeout=10,
+        gone=asyncio.Event().wait(),
+    )
+    kinds = []
+    async for chunk in response.body_iterator:
+        text = chunk if isinstance(chunk, str) else bytes(chunk).decode()
+        kinds.append(text.split("\n", 1)[0].removeprefix("event: "))
+    return kinds
+
+
+def test_a_slow_first_token_opens_the_anthropic_stream_with_pings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sse, "KEEPALIVE_S", 0.05)
+    kinds = asyncio.run(_streamed(0.3))
+    assert kinds[0] == "message_start" and kinds.count("message_start") == 1
+    assert kinds[1] == "ping" and kinds.count("ping") >= 3
+    assert kinds[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert asyncio.run(_streamed(0.0)).count("ping") == 0  # a prompt answered at once: no ping
