@@ -117,15 +117,16 @@ def bench(entries: list[dict[str, Any]]) -> dict[str, Any]:
         for test in entry.get("tests", []):
             label = "valid" if test["valid"] else "invalid"
             text = json.dumps(test["data"], ensure_ascii=False)
-            passes_mask = accepts(
-                llguidance.LLMatcher(lltokenizer, compiled.grammar),
-                tokenizer.encode(text, add_special_tokens=False),
-            )
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+            passes_mask = accepts(llguidance.LLMatcher(lltokenizer, compiled.grammar), tokens)
             started = time.perf_counter()
             reported_valid = instance_violation(source, test["data"]) is None
             validate_s.append(time.perf_counter() - started)
             counts[f"{label}_instances"] += 1
             counts[f"{label}_refused_by_mask"] += not passes_mask
+            if test["valid"] and not passes_mask and not failed:  # the rewrite's fault, or llguidance's?
+                as_sent_grammar = llguidance.LLMatcher(lltokenizer, grammar_text(schema))
+                counts["valid_refused_only_after_rewrite"] += accepts(as_sent_grammar, tokens)
             counts[f"{label}_reported_valid"] += reported_valid
             counts[f"{label}_passed_mask_and_reported_valid"] += passes_mask and reported_valid
     refused = counts["refused_by_request_check"] + counts["refused_by_grammar"]

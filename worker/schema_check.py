@@ -3,16 +3,20 @@
 The grammar enforces what llguidance can and ignores the rest (engine/batch/json_schema.py): an answer
 may break `not`, `if`/`then`, `uniqueItems`, a `format` llguidance does not know, or a `oneOf` it held
 as `anyOf`, and max_tokens may cut it. So the result never says "valid" on the grammar's word: it says
-what the validator (jsonschema, the schema's own draft or 2020-12, format checker on) found.
+what the validator (jsonschema, the schema's own draft or 2020-12, format checker on, with RFC 3339
+`date-time` checked here) found. A `format` neither llguidance nor jsonschema knows is an annotation,
+as JSON Schema says: it is named in `unenforced`, not judged.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
+import re
 from typing import Any
 
-from jsonschema import exceptions, validators
+from jsonschema import FormatChecker, exceptions, validators
 from jsonschema.protocols import Validator
 
 from engine.batch.json_schema import unenforced_keywords
@@ -21,6 +25,9 @@ from producer.models import SchemaCheck
 
 _VIOLATION_CHARS = 300
 _KEPT = 64
+_DATE_TIME = re.compile(
+    r"(?P<date>\d{4}-\d{2}-\d{2})[Tt](?P<h>\d{2}):(?P<m>\d{2}):(?P<s>\d{2})(\.\d+)?(?P<offset>[Zz]|[+-]\d{2}:\d{2})\Z"
+)
 
 
 def schema_check(grammar: OutputGrammar | None, answer: str) -> SchemaCheck | None:
@@ -63,7 +70,22 @@ def instance_violation(source: str, document: Any) -> str | None:
 def _validator(source: str) -> Validator:
     schema = json.loads(source)
     cls = validators.validator_for(schema, default=validators.Draft202012Validator)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    checker = FormatChecker(formats=())
+    checker.checkers = {**cls.FORMAT_CHECKER.checkers, "date-time": (_is_date_time, ValueError)}
+    return cls(schema, format_checker=checker)
+
+
+def _is_date_time(value: object) -> bool:
+    """RFC 3339 date-time, the commonest `format`: jsonschema checks it only with an optional package."""
+    if not isinstance(value, str):
+        return True
+    match = _DATE_TIME.match(value)
+    if match is None:
+        return False
+    datetime.date.fromisoformat(match["date"])  # ValueError: no such day
+    hour, minute, second, offset = int(match["h"]), int(match["m"]), int(match["s"]), match["offset"]
+    offset_ok = len(offset) == 1 or (int(offset[1:3]) <= 23 and int(offset[4:6]) <= 59)
+    return hour <= 23 and minute <= 59 and second <= 60 and offset_ok  # 60: a leap second
 
 
 def _short(text: str) -> str:

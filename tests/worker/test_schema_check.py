@@ -17,6 +17,13 @@ from worker.logprobs import LogprobFormatter
 from worker.results import build_result
 from worker.schema_check import schema_check
 
+DATES = {
+    "type": "object",
+    "properties": {
+        "when": {"type": "string", "format": "date"},
+        "at": {"type": "string", "format": "date-time"},
+    },
+}
 UNIQUE_PAIR = {"type": "array", "items": {"const": "a"}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
 
 
@@ -40,15 +47,21 @@ def test_an_answer_breaking_an_unenforced_keyword_is_reported_with_the_keyword()
     ("answer", "where"),
     [
         ('{"when": "2024-13-45"}', "format"),  # the format checker is on
+        ('{"at": "2024-01-02 10:00:00"}', "date-time"),  # checked here: jsonschema needs a package for it
         ('{"when": "2024-01-02"', "not JSON"),  # cut by max_tokens
         ('{"when": 5}', "at /when"),
     ],
 )
 def test_a_violation_says_where_and_why(answer: str, where: str) -> None:
-    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}}
-    check = schema_check(schema_grammar(schema), answer)
+    check = schema_check(schema_grammar(DATES), answer)
     assert check is not None and not check.valid and check.violation is not None
     assert where in check.violation
+
+
+def test_rfc_3339_date_times_pass() -> None:
+    for at in ("2024-01-02T10:00:00Z", "2024-01-02t10:00:00.5+05:30", "2016-12-31T23:59:60Z"):
+        check = schema_check(schema_grammar(DATES), json.dumps({"at": at, "when": "2024-01-02"}))
+        assert check is not None and check.valid, at
 
 
 def test_a_valid_answer_is_valid_and_a_schema_the_validator_cannot_apply_is_never_called_valid() -> None:
