@@ -75,17 +75,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KeyedServe
 
 
 def chat(server: KeyedServe, key: str, content: str, **fields: Any) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": content}], **fields}
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **fields}
     return post(server, key, "/v1/chat/completions", body)
 
 
 def complete(server: KeyedServe, key: str, prompt: str) -> httpx.Response:
     """A raw prompt (no chat template whose head every earlier request of the tenant shares)."""
-    return post(server, key, "/v1/completions", {"prompt": prompt})
+    return post(server, key, "/v1/completions", {"prompt": prompt, "max_tokens": 4})
 
 
 def post(server: KeyedServe, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, **body}
+    body = {"model": MODEL, "temperature": 0, **body}
     headers = {"authorization": f"Bearer {key}"}
     return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120)
 
@@ -221,4 +221,33 @@ def test_producer_and_batch_runs_get_the_same_wall(
     assert (
         Producer(connection=connection, tenant="other").submit(again).result(timeout=120).usage.reused_tokens
         == 0
+    )
+
+
+def test_a_tenants_stored_responses_and_conversations_resume_inside_its_wall(
+    stack: tuple[KeyedServe, str, Path],
+) -> None:
+    server = stack[0]
+
+    def respond(key: str, **fields: Any) -> dict[str, Any]:
+        answer = post(server, key, "/v1/responses", {"max_output_tokens": 4, **fields})
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    first = respond(KEY_A, input=SECRET)
+    assert first["kvrq"]["agent_id"] == f"responses:{first['id']}"  # as the client would name it
+    follow = respond(KEY_A2, input="Repeat the code.", previous_response_id=first["id"])
+    assert follow["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"] - 1
+    refused = post(
+        server, KEY_B, "/v1/responses", {"input": "Repeat the code.", "previous_response_id": first["id"]}
+    )
+    assert refused.status_code == 400 and "4417" not in refused.text
+    made = httpx.post(f"{server.url}/v1/conversations", json={}, headers={"x-api-key": KEY_A}, timeout=30)
+    conversation = made.json()["id"]
+    one = respond(KEY_A, input=SECRET, conversation=conversation)
+    two = respond(KEY_A2, input="Repeat the code.", conversation=conversation)
+    assert two["usage"]["input_tokens"] > one["usage"]["input_tokens"]
+    assert two["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert (
+        post(server, KEY_B, "/v1/responses", {"input": "x", "conversation": conversation}).status_code == 404
     )
