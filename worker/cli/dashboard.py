@@ -7,11 +7,18 @@ process makes JSON rq's fallback before the dashboard serves anything (kvrq neve
 nothing in its Redis needs pickle), and replaces the dashboard's workers list with one that
 shows how many jobs (rq executions) each worker holds: a kvrq worker holds many at once, and
 rq-dashboard's row has room for only one "current job".
+
+It has no login, and rq-dashboard can cancel, requeue and delete jobs: it listens on 127.0.0.1 and
+refuses any other address unless `--allow-remote` says the operator has put a gate in front of it
+(HELP_SECURITY; docs/security.md).
 """
 
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import logging
+import os
 import signal
 import sys
 from datetime import datetime
@@ -21,13 +28,68 @@ from redis import Redis
 
 # RUNNING_FIELD / WAITING_FIELD: a kvrq worker's jobs in the engine and jobs held waiting (for KV
 # blocks or their agent), in its rq worker hash. Optional: other rq workers have neither.
-from producer.protocol import RUNNING_FIELD, WAITING_FIELD
+from producer.protocol import DEFAULT_REDIS_URL, RUNNING_FIELD, WAITING_FIELD
 from producer.redact import redact_url
 from producer.redis_url import connect
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 9181
 INSTALL_HINT = "kvrq dashboard needs rq-dashboard: pip install -e '.[dashboard]'"
+HELP_SECURITY = (
+    "The dashboard has no login of its own and can cancel, requeue and delete jobs; kvrq serve's API "
+    "keys do not cover it. Keep it on 127.0.0.1 and reach it through an SSH tunnel "
+    "(ssh -L 9181:127.0.0.1:9181 HOST), or put an authenticating reverse proxy in front of it (nginx "
+    "auth_basic, oauth2-proxy, a VPN) and proxy to 127.0.0.1:PORT. Listening on any other address "
+    "takes --allow-remote: say that such a gate is there."
+)
+
+
+def add_dashboard_command(commands: argparse._SubParsersAction) -> None:
+    """Register `kvrq dashboard` on the CLI's subcommands."""
+    dashboard = commands.add_parser(
+        "dashboard",
+        help="run rq-dashboard for kvrq's Redis (JSON jobs, jobs held per worker)",
+        description="rq-dashboard 0.9 with rq's JSON serializer everywhere and a Workers page that "
+        f"counts the jobs each worker holds. {HELP_SECURITY}",
+    )
+    dashboard.add_argument(
+        "--redis",
+        default=os.environ.get("KVRQ_REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis URL [$KVRQ_REDIS_URL or local]",
+    )
+    dashboard.add_argument(
+        "--bind", default=LOOPBACK, help=f"address to listen on [{LOOPBACK}]; another needs --allow-remote"
+    )
+    dashboard.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="listen on a non-loopback --bind: only behind an authenticating proxy or tunnel (no login here)",
+    )
+    dashboard.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port to listen on [{DEFAULT_PORT}]"
+    )
+    dashboard.add_argument("--poll-interval", type=int, help="page refresh interval in ms [2500]")
+    dashboard.set_defaults(func=_cmd_dashboard)
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    return serve(
+        args.redis,
+        bind=args.bind,
+        port=args.port,
+        poll_interval_ms=args.poll_interval,
+        allow_remote=args.allow_remote,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def use_json_everywhere() -> None:
@@ -146,9 +208,22 @@ def make_app(redis_url: str, *, poll_interval_ms: int | None = None) -> Any:
 
 
 def serve(
-    redis_url: str, *, bind: str = LOOPBACK, port: int = DEFAULT_PORT, poll_interval_ms: int | None = None
+    redis_url: str,
+    *,
+    bind: str = LOOPBACK,
+    port: int = DEFAULT_PORT,
+    poll_interval_ms: int | None = None,
+    allow_remote: bool = False,
 ) -> int:
-    """Serve until SIGINT or SIGTERM (then exit 0): one threaded HTTP server, no Flask banner."""
+    """Serve until SIGINT or SIGTERM (then exit 0): one threaded HTTP server, no Flask banner.
+    A non-loopback `bind` without `allow_remote` is refused (exit 2): the dashboard has no login."""
+    if not (allow_remote or is_loopback(bind)):
+        print(
+            f"kvrq dashboard: refusing to listen on {bind}: it has no login and can delete jobs. Put an "
+            "authenticating proxy or a tunnel in front and pass --allow-remote (kvrq dashboard --help)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         app = make_app(redis_url, poll_interval_ms=poll_interval_ms)
     except ModuleNotFoundError as exc:

@@ -28,11 +28,10 @@ from typing import IO
 from redis import Redis
 from redis.exceptions import RedisError
 
-from producer.protocol import DEFAULT_REDIS_URL
 from producer.redis_url import connect
 from worker import rqexec
 from worker.cli.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
-from worker.cli.dashboard import LOOPBACK
+from worker.cli.dashboard import LOOPBACK, add_dashboard_command
 from worker.cli.serve_http import DEFAULT_PORT as DEFAULT_HTTP_PORT
 
 DEFAULT_REDIS_PORT = 6379
@@ -90,26 +89,7 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--no-http", action="store_true", help="run no HTTP server (kvrq serve)")
     up.set_defaults(func=_cmd_up)
 
-    dashboard = commands.add_parser(
-        "dashboard",
-        help="run rq-dashboard for kvrq's Redis (JSON jobs, jobs held per worker)",
-        description="rq-dashboard 0.9 with rq's JSON serializer everywhere and a Workers page that "
-        "counts the jobs each worker holds. Listens on 127.0.0.1 unless --bind says otherwise.",
-    )
-    dashboard.add_argument(
-        "--redis",
-        default=os.environ.get("KVRQ_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL [$KVRQ_REDIS_URL or local]",
-    )
-    dashboard.add_argument("--bind", default=LOOPBACK, help=f"address to listen on [{LOOPBACK}]")
-    dashboard.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_DASHBOARD_PORT,
-        help=f"port to listen on [{DEFAULT_DASHBOARD_PORT}]",
-    )
-    dashboard.add_argument("--poll-interval", type=int, help="page refresh interval in ms [2500]")
-    dashboard.set_defaults(func=_cmd_dashboard)
+    add_dashboard_command(commands)
 
 
 def _env_port(name: str, default: int) -> int:
@@ -120,12 +100,6 @@ def _env_port(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise SystemExit(f"{name}={raw!r} is not a port number") from None
-
-
-def _cmd_dashboard(args: argparse.Namespace) -> int:
-    from worker.cli.dashboard import serve
-
-    return serve(args.redis, bind=args.bind, port=args.port, poll_interval_ms=args.poll_interval)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
