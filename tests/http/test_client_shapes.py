@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from producer.batch.format import CHAT_URL
 from producer.http import anthropic_api, openai_api, pools, sse
 from producer.http import responses_api as responses
-from producer.http.app import ServeSettings, create_app
+from producer.http.app import STRICT_MAX_TOKENS_ENV, ServeSettings, create_app
 from producer.http.client_ids import valid_agent
 from producer.http.context_edits import CLEARED, apply_edits
 from producer.http.errors import APIError
@@ -472,3 +472,9 @@ def test_a_slow_first_token_opens_the_anthropic_stream_with_pings(monkeypatch: p
     assert kinds[1] == "ping" and kinds.count("ping") >= 3
     assert kinds[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
     assert asyncio.run(_streamed(0.0)).count("ping") == 0  # a prompt answered at once: no ping
+
+
+def test_strict_max_tokens_restores_the_400(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ServeSettings().fit_max_tokens
+    monkeypatch.setenv(STRICT_MAX_TOKENS_ENV, "1")
+    assert not ServeSettings().fit_max_tokens
