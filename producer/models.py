@@ -31,6 +31,8 @@ MAX_TOP_LOGPROBS = 20
 #: of a job): pydantic's serializer gives up near 300 and Python's recursion near 1,000, so a deeper
 #: value would fail after it was accepted (producer.models.json_depth_problem is the rule).
 MAX_JSON_DEPTH = 64
+#: A temperature above 0 and below this samples as 0 (greedy), which it is in effect.
+MIN_TEMPERATURE = 1e-6
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 #: apply_chat_template arguments kvrq sets itself: a request's chat_template_kwargs may not.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -388,6 +390,13 @@ class GenerationRequest(BaseModel):
         if total > MAX_PROMPT_CHARS:
             raise ValueError(f"messages hold {total:,} characters in all, the limit is {MAX_PROMPT_CHARS:,}")
         return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float) -> float:
+        # The sampler scales by 1/temperature in float32: below ~3e-39 that is inf and the grammar's
+        # mask turns to NaN (a fuzzed 6e-288 got a token the grammar refused); far above, it is greedy.
+        return 0.0 if value < MIN_TEMPERATURE else value
 
     @field_validator("stop")
     @classmethod

@@ -26,7 +26,7 @@ from starlette.routing import Match, Route
 
 from producer.batch.format import CHAT_URL, COMPLETIONS_URL
 from producer.client import JobHandle, Producer
-from producer.http import anthropic_api, conversations_routes, openai_api
+from producer.http import anthropic_api, conversations_routes, openai_api, openapi
 from producer.http.body import parsed_body
 from producer.http.bridge import DEFAULT_THREADS, Bridge, ClientGone, disconnected
 from producer.http.errors import APIError, ServerErrors, flavor_of, from_validation, invalid
@@ -75,7 +75,7 @@ def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> F
         yield
         bridge.close()
 
-    app = FastAPI(title="kvrq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvrq", lifespan=lifespan, docs_url=None, redoc_url=None)  # /openapi.json
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(IgnoredFields)
     if settings.api_keys:
@@ -123,6 +123,7 @@ def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> F
         return await front.count_tokens(request)
 
     conversations_routes.add_routes(app, front, _body)
+    openapi.install(app)
     return app
 
 

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from producer.http.app import ServeSettings, create_app
+from producer.http.openapi import OPERATIONS
 from producer.models import MAX_JSON_DEPTH, GenerationRequest, json_depth_problem
 from tests.producer.fakes import fake_redis
 
@@ -161,3 +162,38 @@ def test_405_names_the_allowed_methods_and_is_a_client_error(http: TestClient) -
     answer = http.patch("/v1/conversations/conv_x")
     assert answer.status_code == 405
     assert answer.headers["allow"] == "DELETE, GET, POST"
+
+
+def test_openapi_json_documents_every_route_with_its_body_answers_and_errors(http: TestClient) -> None:
+    document = http.get("/openapi.json").json()
+    published = {(method, path) for path, item in document["paths"].items() for method in item}
+    assert published == set(OPERATIONS)  # a new route gets its entry in producer/http/openapi.py
+    for (method, path), (body, _) in OPERATIONS.items():
+        operation = document["paths"][path][method]
+        assert ("requestBody" in operation) == (body is not None), (method, path)
+        assert {"200", "4XX", "5XX"} <= set(operation["responses"]), (method, path)
+    error = document["paths"]["/v1/messages"]["post"]["responses"]["4XX"]["content"]["application/json"]
+    assert error["schema"]["$ref"].endswith("/AnthropicError")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/responses/..%2F..%2Fetc%2Fpasswd", "/v1/conversations/..%2Fx", "/v1/conversations/..%2Fx/items"],
+)
+def test_a_path_id_that_climbs_is_not_found(http: TestClient, path: str) -> None:
+    answer = http.get(path)
+    assert answer.status_code == 404 and answer.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "field", [{"prompt_cache_key": "../etc/passwd"}, {"kvrq": {"fork_from": "../x"}}], ids=["agent", "fork"]
+)
+def test_a_body_id_that_climbs_is_400(http: TestClient, field: dict[str, Any]) -> None:
+    refused(http.post("/v1/chat/completions", json={**CHAT, **field}), "agent id '../")
+
+
+def test_a_temperature_too_small_for_float32_samples_greedy() -> None:
+    # Found by tests/http/test_openapi_fuzz.py: 6e-288 made 1/temperature inf in the sampler, and a
+    # response_format grammar's mask NaN, so the worker sampled a refused token and failed the job.
+    assert GenerationRequest.model_validate({**JOB, "temperature": 6e-288}).temperature == 0.0
+    assert GenerationRequest.model_validate({**JOB, "temperature": 1e-6}).temperature == 1e-6
