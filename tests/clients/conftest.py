@@ -1,59 +1,16 @@
-"""Fixtures of the client-conformance suite: one stack per model for the whole session, the pinned
-client programs, and an environment that keeps each client's state in the test's directory and its
-traffic on loopback."""
+"""Fixtures of the client-conformance suite: one stack per model for the whole session (the clients
+themselves are driven by tests/clients/drivers.py)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.clients.models import write_ok_model
 from tests.clients.stack import ClientStack
-from tests.conftest import in_ci
 
-HERE = Path(__file__).resolve().parent
 BUILTIN = "smollm2-135m"
-#: A port nothing listens on: any request a client makes beyond loopback fails at once.
-NO_NETWORK = "http://127.0.0.1:9"
-
-
-def client_program(name: str) -> Path:
-    """A pinned client: node_modules/.bin (npm ci --prefix tests/clients) or .venv-NAME/bin (pip)."""
-    for path in (HERE / "node_modules" / ".bin" / name, HERE / f".venv-{name}" / "bin" / name):
-        if path.exists():
-            return path
-    message = f"{name} is not installed under tests/clients (bash .ci/setup installs the pinned clients)"
-    if in_ci():
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
-
-
-def isolated_env(home: Path, **extra: str) -> dict[str, str]:
-    """The caller's PATH and locale, a fresh HOME (config, caches, sessions), telemetry off, and every
-    non-loopback request sent to a dead proxy."""
-    home.mkdir(parents=True, exist_ok=True)
-    keep = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TERM", "LD_LIBRARY_PATH")}
-    return {
-        **keep,
-        "HOME": str(home),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_DATA_HOME": str(home / ".local" / "share"),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"),
-        "HTTP_PROXY": NO_NETWORK,
-        "HTTPS_PROXY": NO_NETWORK,
-        "ALL_PROXY": NO_NETWORK,
-        "http_proxy": NO_NETWORK,
-        "https_proxy": NO_NETWORK,
-        "NO_PROXY": "127.0.0.1,localhost",
-        "no_proxy": "127.0.0.1,localhost",
-        "DO_NOT_TRACK": "1",
-        "CI": "true",
-        **extra,
-    }
 
 
 @pytest.fixture(scope="session")

@@ -10,26 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.clients.conftest import client_program, isolated_env
+from tests.clients import drivers
 from tests.clients.models import ANSWER
-from tests.clients.session import Session
 from tests.clients.stack import ClientStack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.clients]
 
 
 def test_codex_exec_then_resume_last(long_stack: ClientStack, tmp_path: Path) -> None:
-    codex = client_program("codex")
-    home = tmp_path / "home"
-    (home / ".codex").mkdir(parents=True)
-    env = isolated_env(home, CODEX_HOME=str(home / ".codex"), OPENAI_API_KEY="unused")
-    provider = f'{{name="kvrq",base_url="{long_stack.url}/v1",wire_api="responses",env_key="OPENAI_API_KEY"}}'
-    base = [codex, "exec", "--skip-git-repo-check", "-c", "model_provider=kvrq"]
-    base += ["-c", f"model_providers.kvrq={provider}", "-m", long_stack.model]
-    session = Session(long_stack, tmp_path / "work")
-
-    for argv in (["Say hello."], ["resume", "--last", "And now?"], ["resume", "--last", "Thanks."]):
-        assert session.run([*base, *argv], env).strip().endswith(ANSWER)
+    session, outputs = drivers.codex(long_stack, tmp_path)
+    assert all(output.strip().endswith(ANSWER) for output in outputs), outputs
 
     turns = session.check()
     sent = [e.body for e in session.exchanges() if e.path == "/v1/responses" and e.body]
