@@ -34,9 +34,10 @@ class CpuShortcuts:
 
     def sized_for(self, tokens: int, scores: int) -> CpuShortcuts:
         """These shortcuts for a step of `tokens` query tokens (before padding) with `scores`
-        attention scores a head and layer: a step of one or two short rows keeps MLX's fused
+        attention scores a head and layer: a step of up to seven short rows keeps MLX's fused
         calls, whose lack of a sync per layer is worth more there than numpy's and C's speed
-        (1 row over 100 keys: steps 0.91x as long; over 1200 keys or 4 rows: even)."""
+        (1 row over 100 keys: steps 0.91x as long; over 1200 keys: even; 4 short rows decoding
+        with the shortcuts: 0.76x raw mlx-lm's throughput, the syncs' cost, issue 43)."""
         if tokens < SMALL_STEP_TOKENS and scores < SMALL_STEP_SCORES:
             return replace(self, numpy_exp=False, native_attention=False)
         return self
@@ -47,7 +48,7 @@ class CpuShortcuts:
 
 
 # A step below both is small (measured on the 2-core dev machine, SmolLM2).
-SMALL_STEP_TOKENS = 4
+SMALL_STEP_TOKENS = 8
 SMALL_STEP_SCORES = 1024
 OFF = CpuShortcuts(numpy_exp=False, pad_rows=False, native_attention=False)
 _step = threading.local()
