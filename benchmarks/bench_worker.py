@@ -19,6 +19,9 @@
    timeline of the job (worker/timeline.py) into enqueue / queue / take / cache load / submit / to step
    / step / publish, in ms and in the batch mates' step time measured in the same round; and the mates'
    step that carried the joiner's suffix, and those after, against their steps before.
+6. Short behind long (`--only long_prefill`): a new agent's cold 200-token turn arriving while another
+   agent's cold 8K-token prompt is being prefilled (one sequence decoding beside them): client submit
+   -> first streamed token in that prefill's steps (issue 42: within 3), split as the warm join's.
 
 Everything runs on this machine, in one run: a private redis-server, worker subprocesses
 (`kvrq worker`, OpenBLAS preloaded like this process), this process idle while they work.
@@ -180,9 +183,10 @@ def queue_overhead(producer: Any, repeats: int) -> dict[str, Any]:
     }
 
 
-def history_for(tokenizer: Any, target_tokens: int) -> list[dict[str, str]]:
-    """A system briefing long enough that the conversation is about `target_tokens` tokens."""
-    system = "You answer questions about these notes. " + BRIEFING
+def history_for(tokenizer: Any, target_tokens: int, lead: str = "") -> list[dict[str, str]]:
+    """A system briefing long enough that the conversation is about `target_tokens` tokens; a `lead`
+    of its own makes it share no prefix with any other."""
+    system = lead + "You answer questions about these notes. " + BRIEFING
     while (
         len(tokenizer.apply_chat_template(chat("q", system), add_generation_prompt=True)) < target_tokens - 60
     ):
@@ -348,6 +352,15 @@ JOIN_QUESTIONS = (
 )
 
 
+def split_of(timeline: dict[str, Any], submitted: float, first_token: float) -> dict[str, float]:
+    """Client submit -> first streamed token cut at the job's timeline marks (JOIN_SPLIT), in seconds."""
+    marks = [submitted] + [
+        timeline[k]
+        for k in ("enqueued", "dequeued", "held", "cache_ready", "admitted", "step_started", "first_token")
+    ]
+    return {name: b - a for name, a, b in zip(JOIN_SPLIT, marks, [*marks[1:], first_token], strict=True)}
+
+
 def warm_join_once(
     producer: Any, tokenizer: Any, agent: str, turn2: list[dict[str, str]], seed: int, settle_s: float
 ) -> dict[str, Any]:
@@ -378,11 +391,7 @@ def warm_join_once(
     joined = gap_ending_at(mates, first_token)
     after = statistics.median(step_gaps(mates, first_token + 0.001, first_token + 8 * busy))
     timeline = handle.meta().get("progress", {}).get("timeline", {})
-    marks = [submitted] + [
-        timeline[k]
-        for k in ("enqueued", "dequeued", "held", "cache_ready", "admitted", "step_started", "first_token")
-    ]
-    split_s = {name: b - a for name, a, b in zip(JOIN_SPLIT, marks, [*marks[1:], first_token], strict=True)}
+    split_s = split_of(timeline, submitted, first_token)
     return {
         "prompt_tokens": result.usage.prompt_tokens,
         "reused_tokens": result.usage.reused_tokens,
@@ -524,7 +533,80 @@ def join_step_cost(contexts: tuple[int, ...], suffixes: tuple[int, ...], rounds:
     return rows
 
 
-PARTS = ("throughput", "overhead", "warm", "floor", "join", "join_cost")
+def short_behind_long_once(
+    producer: Any, tokenizer: Any, long_tokens: int, short_tokens: int, seed: int
+) -> dict[str, Any]:
+    """A cold `short_tokens` turn of a new agent arriving (at a random point of a step) while another
+    agent's cold `long_tokens` prompt is being prefilled, one sequence decoding beside them: client
+    submit -> first streamed token, in the steps of that prefill (the decoding mate's gaps between
+    the long job's admission and the short one's submit). Both are canceled once measured."""
+    import random
+
+    rng = random.Random(seed)
+    eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+    mate = Mate(producer, QUESTIONS[seed % len(QUESTIONS)], eos, 1000)
+    while len(mate.arrivals) < 8:
+        time.sleep(0.01)
+    nonce = uuid.uuid4().hex[:8]
+    long_messages = history_for(tokenizer, long_tokens, lead=f"Long notes {nonce}. ")
+    long_job = producer.submit({"agent_id": f"long-{nonce}", "messages": long_messages, "max_tokens": 4})
+    while long_job.meta().get("progress", {}).get("phase") != "running":
+        time.sleep(0.01)
+    admitted = time.time()
+    while sum(1 for t in mate.arrivals if t > admitted) < 3:  # two whole steps of the prefill seen
+        time.sleep(0.01)
+    busy = statistics.median(step_gaps([mate], admitted, time.time()))
+    time.sleep(rng.uniform(0.0, busy))
+    short_messages = history_for(tokenizer, short_tokens, lead=f"Short notes {nonce}. ")
+    submitted = time.time()
+    short = producer.submit({"agent_id": f"short-{nonce}", "messages": short_messages, "max_tokens": 4})
+    for event in short.events(timeout=600):
+        if event.kind == "delta":
+            break
+    first_token = time.time()
+    result = short.result(timeout=600)
+    long_prefilling = long_job.meta().get("progress", {}).get("generated_tokens", 0) == 0
+    long_job.cancel()
+    mate.handle.cancel()
+    mate.thread.join(timeout=60)
+    timeline = short.meta().get("progress", {}).get("timeline", {})
+    split_s = split_of(timeline, submitted, first_token)
+    return {
+        "prompt_tokens": result.usage.prompt_tokens,
+        "long_prompt_tokens": len(tokenizer.apply_chat_template(long_messages, add_generation_prompt=True)),
+        "long_still_prefilling": long_prefilling,  # the short one's first token came during the prefill
+        "first_token_s": first_token - submitted,
+        "busy_step_s": busy,
+        "first_token_steps": (first_token - submitted) / busy,
+        "split_steps": {k: v / busy for k, v in split_s.items()},
+        "engine_steps_dequeue_to_first_token": timeline["first_token_step"] - timeline["dequeued_step"],
+    }
+
+
+def short_behind_long(producer: Any, tokenizer: Any, repeats: int) -> dict[str, Any]:
+    """Issue 42's rule: a 200-token turn arriving while an 8K-token prompt is prefilled gets its first
+    token within 3 busy steps."""
+    runs = []
+    for r in range(repeats):
+        run = short_behind_long_once(producer, tokenizer, 8000, 200, r)
+        print(
+            f"short behind long: {run['prompt_tokens']} tokens behind {run['long_prompt_tokens']}: "
+            f"{1000 * run['first_token_s']:.0f} ms = {run['first_token_steps']:.2f} steps of "
+            f"{1000 * run['busy_step_s']:.0f} ms; engine steps dequeue -> first token "
+            f"{run['engine_steps_dequeue_to_first_token']}; "
+            f"long still prefilling: {run['long_still_prefilling']}; "
+            + ", ".join(f"{k} {v:.2f}" for k, v in run["split_steps"].items()),
+            flush=True,
+        )
+        runs.append(run)
+    return {
+        "runs": runs,
+        "first_token_steps_median": statistics.median(r["first_token_steps"] for r in runs),
+        "first_token_steps_max": max(r["first_token_steps"] for r in runs),
+    }
+
+
+PARTS = ("throughput", "overhead", "warm", "floor", "join", "join_cost", "long_prefill")
 
 
 def main() -> int:
@@ -613,6 +695,9 @@ def main() -> int:
             if "join" in parts and "hot_tier" in join_stores:
                 print("warm join into 8 busy sequences (hot tier) ...", flush=True)
                 joins["hot_tier"] = warm_join(producer, tokenizer, (1024, 2048), args.join_repeats)
+            if "long_prefill" in parts:
+                print("a 200-token turn behind an 8K-token prefill ...", flush=True)
+                report["short_behind_long"] = short_behind_long(producer, tokenizer, args.join_repeats)
             if "floor" in parts:
                 contexts = tuple(int(n) for n in args.floor_contexts.split(","))
                 report["floor"] = floor(producer, model, tokenizer, workdir, contexts)
@@ -700,6 +785,10 @@ def print_table(report: dict[str, Any]) -> None:
         print_floor(report)
     if "warm_join" in report:
         print_joins(report)
+    if "short_behind_long" in report:
+        row = report["short_behind_long"]
+        steps = ", ".join(f"{r['first_token_steps']:.2f}" for r in row["runs"])
+        print(f"\n200-token turn behind an 8K prefill: first token in {steps} busy steps")
 
 
 def print_throughput(report: dict[str, Any]) -> None:
