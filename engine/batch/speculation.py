@@ -26,6 +26,8 @@ does not run.
 from __future__ import annotations
 
 import os
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +51,11 @@ PRIOR_ACCEPTANCE = 0.5
 WEIGHT = 0.3
 #: Every this many speculating steps at one row count, one runs plainly to re-measure its cost.
 REMEASURE_EVERY = 64
+#: After this many steps whose drafts the cost turned down, the best one drafts anyway: the cost and
+#: the row's acceptance are measured again (a noisy step must not turn drafting off for good).
+PROBE_EVERY = 8
+#: Step times kept per estimate; the estimate is their median (robust to a step a neighbour slowed).
+SAMPLES = 9
 
 
 class SpeculatedStep(Protocol):
@@ -190,10 +197,13 @@ class Speculation:
     def __init__(self, always: bool = False) -> None:
         """`always`: every row with a draft drafts, whatever the cost (tests; a benchmark's bound)."""
         self.always = always
-        self.plain_s: dict[int, float] = {}
-        self.draft_token_s: float | None = None
+        self.plain_s: dict[int, float] = {}  # median plain decode step by decoding rows
+        self.draft_token_s: float | None = None  # median cost a draft token adds
         self.stats = SpeculationStats()
         self._since_plain: dict[int, int] = {}
+        self._turned_down = 0  # steps in a row whose drafts did not pay
+        self._plain_samples: dict[int, deque[float]] = {}
+        self._token_samples: deque[float] = deque(maxlen=SAMPLES)
 
     def plan(
         self, candidates: list[tuple[Any, RowSpeculation]], decode_rows: int, step: int, extra_s: float
@@ -232,6 +242,13 @@ class Speculation:
             chosen[uid] = draft
             gain += g
             draft_tokens += len(draft)
+        if offers and not chosen:
+            self._turned_down += 1
+            if self._turned_down >= PROBE_EVERY:
+                _, uid, draft, _ = offers[0]
+                chosen[uid] = draft
+        if chosen:
+            self._turned_down = 0
         return chosen
 
     def record_step(self, step: SpeculatedStep) -> None:
@@ -244,18 +261,17 @@ class Speculation:
         decode_rows, draft_tokens, forward_s = step.decode_rows, step.draft_tokens, step.forward_s
         if forward_s <= 0 or decode_rows == 0 or step.prompt_tokens:
             return
-        plain = self.plain_s.get(decode_rows)
         if not draft_tokens:
-            self.plain_s[decode_rows] = (
-                forward_s if plain is None else (1 - WEIGHT) * plain + WEIGHT * forward_s
-            )
+            samples = self._plain_samples.setdefault(decode_rows, deque(maxlen=SAMPLES))
+            samples.append(forward_s)
+            self.plain_s[decode_rows] = statistics.median(samples)
             return
         self._since_plain[decode_rows] = self._since_plain.get(decode_rows, 0) + 1
+        plain = self.plain_s.get(decode_rows)
         if plain is None:
             return
-        per_token = max(0.0, forward_s - plain) / draft_tokens
-        current = self.draft_token_s
-        self.draft_token_s = per_token if current is None else (1 - WEIGHT) * current + WEIGHT * per_token
+        self._token_samples.append(max(0.0, forward_s - plain) / draft_tokens)
+        self.draft_token_s = statistics.median(self._token_samples)
 
 
 def can_draft(row: Any) -> bool:
