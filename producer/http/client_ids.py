@@ -28,7 +28,7 @@ def valid_agent(client_id: str) -> str:
     """`client_id` where the agent-id rule takes it, else `h-` and the first 40 hex of its SHA-256."""
     if agent_id_problem(client_id) is None:
         return client_id
-    return "h-" + hashlib.sha256(client_id.encode()).hexdigest()[:40]
+    return "h-" + hashlib.sha256(client_id.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def claude_code_agent(user_id: Any, headers: Mapping[str, str]) -> str | None:

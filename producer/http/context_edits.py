@@ -36,6 +36,8 @@ def apply_edits(config: Any, messages: list[Any], rest_chars: int) -> tuple[list
     the prompt (system, tools), counted in the input-token trigger. APIError 400 when malformed."""
     if not isinstance(config, dict) or not isinstance(config.get("edits", []), list):
         raise invalid("'context_management' is {edits: [...]}")
+    if not all(isinstance(message, dict) for message in messages):
+        return messages, []  # the messages' own check answers 400 for them
     applied: list[dict[str, Any]] = []
     for index, edit in enumerate(config.get("edits", [])):
         kind = edit.get("type") if isinstance(edit, dict) else None
@@ -90,20 +92,24 @@ def _clear_tool_uses(
         "tool_uses",
         "clear_tool_uses keep",
     )
-    excluded = set(edit.get("exclude_tools") or ())
+    names = edit.get("exclude_tools") or []
+    if not isinstance(names, list):
+        raise invalid("clear_tool_uses exclude_tools is a list of tool names")
+    excluded = {str(name) for name in names}
     inputs = bool(edit.get("clear_tool_inputs"))
-    candidates = [(i, j) for i, j in uses if _blocks(messages[i])[j].get("name") not in excluded]
-    cleared_ids = {_blocks(messages[i])[j].get("id") for i, j in candidates[: max(0, len(candidates) - keep)]}
+    candidates = [_blocks(messages[i])[j] for i, j in uses]
+    candidates = [block for block in candidates if str(block.get("name")) not in excluded]
+    cleared_ids = {_id(block, "id") for block in candidates[: max(0, len(candidates) - keep)]} - {None}
     if not cleared_ids:
         return messages, None
     out = copy.deepcopy(messages)
     tokens = 0
     for message in out:
         for block in _blocks(message):
-            if _kind(block) == "tool_result" and block.get("tool_use_id") in cleared_ids:
+            if _kind(block) == "tool_result" and _id(block, "tool_use_id") in cleared_ids:
                 tokens += _tokens(block.get("content"))
                 block["content"] = CLEARED
-            elif inputs and _kind(block) == "tool_use" and block.get("id") in cleared_ids:
+            elif inputs and _kind(block) == "tool_use" and _id(block, "id") in cleared_ids:
                 tokens += _tokens(block.get("input"))
                 block["input"] = {}
     at_least = edit.get("clear_at_least")
@@ -122,6 +128,12 @@ def _count(value: Any, kind: str, where: str) -> int:
 def _blocks(message: Any) -> list[Any]:
     content = message.get("content") if isinstance(message, dict) else None
     return content if isinstance(content, list) else []
+
+
+def _id(block: dict[str, Any], key: str) -> str | None:
+    """A block's id (`id`, `tool_use_id`) when it is a string, as ids are."""
+    value = block.get(key)
+    return value if isinstance(value, str) else None
 
 
 def _kind(block: Any) -> Any:

@@ -249,7 +249,7 @@ def _item(item: Any, where: str) -> dict[str, Any]:
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
         role = item.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise invalid(f"{where}.role must be user, system, developer or assistant, not {role!r}")
         part = "output_text" if role == "assistant" else "input_text"
         out: dict[str, Any] = {
@@ -504,6 +504,12 @@ def _thinking(reasoning: Any) -> bool | None:
         return None
     if not isinstance(reasoning, dict):
         raise invalid("'reasoning' must be an object", param="reasoning")
+    for key in ("effort", "summary"):  # echoed back in the Response: a word, as the API has them
+        word = reasoning.get(key)
+        if word is not None and (not isinstance(word, str) or not word.isascii()):
+            raise invalid(
+                f"'reasoning.{key}' must be one of the API's words (e.g. 'auto')", param="reasoning"
+            )
     if reasoning.get("summary") is not None:
         ignore("reasoning.summary")  # a local model writes no summary: reasoning items carry its text
     effort = reasoning.get("effort")

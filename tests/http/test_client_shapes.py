@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from producer.http.model_cards import clamped_to
 from producer.http.pools import Pool
 from producer.models import GenerationRequest, GenerationResult
 from producer.protocol import StreamEvent, agent_id_problem
+from tests.http.test_fuzz import app_client, mutate  # noqa: F401  (app_client: the fixture)
 from tests.producer.fakes import fake_redis
 
 SESSION = "5b0f3c1e-7d4a-4b8e-9c2f-1a2b3c4d5e6f"
@@ -478,3 +480,49 @@ def test_strict_max_tokens_restores_the_400(monkeypatch: pytest.MonkeyPatch) -> 
     assert ServeSettings().fit_max_tokens
     monkeypatch.setenv(STRICT_MAX_TOKENS_ENV, "1")
     assert not ServeSettings().fit_max_tokens
+
+
+# ---- fuzzed client-shaped bodies -------------------------------------------------------------------------
+
+
+def test_fuzzed_client_shaped_bodies_get_a_4xx_with_a_reason_or_an_answer(app_client: TestClient) -> None:  # noqa: F811
+    """test_fuzz.py's mutations of these clients' bodies (context_management edits included): never a 5xx."""
+    edits = {
+        "edits": [
+            {"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}},
+            {
+                "type": "clear_tool_uses_20250919",
+                "trigger": {"type": "tool_uses", "value": 0},
+                "keep": {"type": "tool_uses", "value": 0},
+                "exclude_tools": ["Read"],
+                "clear_at_least": {"type": "input_tokens", "value": 0},
+            },
+        ]
+    }
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "t", "signature": "s"},
+                {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "ls"}},
+            ],
+        },
+        {"role": "system", "content": "Skills: none."},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a"}]},
+    ]
+    claude = {**claude_code_body(turns=turns), "stream": False, "context_management": edits}
+    valid = {
+        "/v1/messages": claude,
+        "/v1/messages/count_tokens": {k: v for k, v in claude.items() if k not in ("max_tokens", "stream")},
+        "/v1/responses": {**codex_body(), "stream": False},
+    }
+    for path, body in valid.items():
+        assert app_client.post(path, json=body).status_code == 200, path
+    for seed in range(1000):
+        rng = random.Random(seed)
+        path = rng.choice(sorted(valid))
+        body = mutate(mutate(valid[path], rng), rng)
+        raw = json.dumps(body).encode()  # NaN as JSON's NaN, as test_fuzz.py sends it
+        answer = app_client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert answer.status_code == 200 or 400 <= answer.status_code < 500, (seed, path, raw, answer.text)
