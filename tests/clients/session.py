@@ -66,4 +66,8 @@ class Session:
         assert len(turns) >= min_jobs, f"{len(turns)} jobs ran:\n{self.requests_brief()}"
         short = [turn for turn in turns[1:] if not turn.resumed_enough]
         assert not short, f"requests that resumed < 95% of what they share:\n{table(turns)}"
+        ignored = sorted(
+            {e.headers["x-kvrq-ignored"] for e in self.exchanges() if "x-kvrq-ignored" in e.headers}
+        )
+        print(f"{table(turns)}\nx-kvrq-ignored: {ignored}")  # shown by pytest -rA: the docs' table
         return turns
