@@ -18,8 +18,8 @@ from engine.core.errors import InvalidRequestError
 from engine.models.gguf_smollm2 import gguf_path
 from engine.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 from producer.models import GenerationRequest
-from worker.agent_output import OutputSplitter
-from worker.jobs import JobRejected, checked_sampling
+from worker.agent_output import OutputSplitter, stop_after_one_call
+from worker.jobs import JobRejected, checked_sampling, sampling_of
 from worker.tool_grammar import forced_tool_calls
 
 WEATHER = {
@@ -98,6 +98,14 @@ def test_a_named_choice_admits_only_that_tool(compiler: Any, tokenizer: Any) -> 
     named = request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert accepts(compiler, tokenizer, named, call("get_weather", {"city": "Oslo"}))
     assert not accepts(compiler, tokenizer, named, call("get_time", {}))
+
+
+def test_a_named_choice_admits_one_call_only(compiler: Any, tokenizer: Any) -> None:
+    """`call (GAP call)*` let a small model repeat the named call until max_tokens (issue 42)."""
+    named = request(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert accepts(compiler, tokenizer, named, call("get_time", {}))
+    assert not accepts(compiler, tokenizer, named, call("get_time", {}) + "\n" + call("get_time", {}))
+    assert stop_after_one_call(sampling_of(named), splitter(), named).stop[-1] == "</tool_call>"
 
 
 def test_the_grammar_ends_after_the_call(compiler: Any, tokenizer: Any) -> None:
