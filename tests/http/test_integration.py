@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import anthropic
@@ -33,7 +33,8 @@ GREEDY = {"temperature": 0}
 class ServeProcess:
     """`python -m worker.cli serve` on a free loopback port, logging to a file."""
 
-    def __init__(self, redis_url: str, workdir: Path) -> None:
+    def __init__(self, redis_url: str, workdir: Path, args: Sequence[str] = ()) -> None:
+        """`args`: more `kvrq serve` options (an API key file)."""
         self.redis_url = redis_url
         self.port = free_port()
         self.log_path = workdir / "serve.log"
@@ -49,7 +50,10 @@ class ServeProcess:
         ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [*command, "--max-body-mb", str(MAX_BODY_MB)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+                [*command, "--max-body-mb", str(MAX_BODY_MB), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
             )
 
     @property

@@ -21,7 +21,6 @@ from redis import Redis
 from producer.batch import run_batch
 from producer.client import Producer
 from producer.tenants import key_tenant
-from tests.conftest import free_port
 from tests.http.test_integration import MODEL, ServeProcess
 from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
 
@@ -31,36 +30,15 @@ KEY_A, KEY_A2, KEY_B = "sk-acme-1", "sk-acme-2", "sk-bare-b"
 SECRET = "The vault code is 4417-AZURE. Remember it."
 
 
-class KeyedServe(ServeProcess):
-    """`kvrq serve --api-key-file` (ServeProcess takes no arguments of its own)."""
-
-    def __init__(self, redis_url: str, workdir: Path, key_file: Path) -> None:
-        self.redis_url, self.port, self.log_path = redis_url, free_port(), workdir / "serve.log"
-        command = [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "serve",
-            "--redis",
-            redis_url,
-            "--port",
-            str(self.port),
-        ]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*command, "--api-key-file", str(key_file)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
-            )
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KeyedServe, str, Path]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, str, Path]]:
     workdir = tmp_path_factory.mktemp("tenants")
     keys = workdir / "keys"
     keys.write_text(f"# two keys of one tenant, and a bare key\n{KEY_A} acme\n{KEY_A2} acme\n{KEY_B}\n")
     redis = RedisProcess(workdir)
     redis.start()
     worker = WorkerProcess(redis.url, workdir, name="tenants-worker")
-    server = KeyedServe(redis.url, workdir, keys)
+    server = ServeProcess(redis.url, workdir, ["--api-key-file", str(keys)])
     try:
         worker.start()
         wait_for(
@@ -74,17 +52,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KeyedServe
         redis.stop()
 
 
-def chat(server: KeyedServe, key: str, content: str, **fields: Any) -> httpx.Response:
+def chat(server: ServeProcess, key: str, content: str, **fields: Any) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **fields}
     return post(server, key, "/v1/chat/completions", body)
 
 
-def complete(server: KeyedServe, key: str, prompt: str) -> httpx.Response:
+def complete(server: ServeProcess, key: str, prompt: str) -> httpx.Response:
     """A raw prompt (no chat template whose head every earlier request of the tenant shares)."""
     return post(server, key, "/v1/completions", {"prompt": prompt, "max_tokens": 4})
 
 
-def post(server: KeyedServe, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
+def post(server: ServeProcess, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
     body = {"model": MODEL, "temperature": 0, **body}
     headers = {"authorization": f"Bearer {key}"}
     return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120)
@@ -98,7 +76,7 @@ def usage(answer: httpx.Response) -> tuple[int, int]:
 
 
 def test_another_tenant_continuing_or_forking_the_same_agent_sees_nothing(
-    stack: tuple[KeyedServe, str, Path],
+    stack: tuple[ServeProcess, str, Path],
 ) -> None:
     server = stack[0]
     agent, memory = "shared-agent", {"kvrq": {"continue": True}}
@@ -133,7 +111,7 @@ def test_another_tenant_continuing_or_forking_the_same_agent_sees_nothing(
     assert usage(chat(server, KEY_B, SECRET, prompt_cache_key="a-plain"))[1] == a_plain - 1
 
 
-def test_identical_prompts_reuse_only_their_own_tenants_prefix(stack: tuple[KeyedServe, str, Path]) -> None:
+def test_identical_prompts_reuse_only_their_own_tenants_prefix(stack: tuple[ServeProcess, str, Path]) -> None:
     server = stack[0]
     # Over two 256-token blocks: the store's shared blocks and the worker's recent prefixes both apply.
     prompt = f"{secrets.token_hex(8)} report. " + " ".join(
@@ -153,7 +131,7 @@ def kvrq_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_agent_and_cache_views_show_one_tenants_agents_by_their_client_ids(
-    stack: tuple[KeyedServe, str, Path],
+    stack: tuple[ServeProcess, str, Path],
 ) -> None:
     server, redis_url, cache = stack
     chat(server, KEY_A, SECRET, prompt_cache_key="view-agent", kvrq={"continue": True})
@@ -186,7 +164,7 @@ def test_agent_and_cache_views_show_one_tenants_agents_by_their_client_ids(
 
 
 def test_producer_and_batch_runs_get_the_same_wall(
-    stack: tuple[KeyedServe, str, Path], tmp_path: Path
+    stack: tuple[ServeProcess, str, Path], tmp_path: Path
 ) -> None:
     server, redis_url, _ = stack
     connection = Redis.from_url(redis_url)
@@ -225,7 +203,7 @@ def test_producer_and_batch_runs_get_the_same_wall(
 
 
 def test_a_tenants_stored_responses_and_conversations_resume_inside_its_wall(
-    stack: tuple[KeyedServe, str, Path],
+    stack: tuple[ServeProcess, str, Path],
 ) -> None:
     server = stack[0]
 
