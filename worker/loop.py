@@ -25,8 +25,9 @@ import logging
 import signal
 import time
 import traceback
+import weakref
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from queue import Empty
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvrq.worker")
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+#: A busy batch waits this share of its last step, once per read, for cache reads taken this pass.
+READ_WAIT_FRACTION = 0.25
 
 
 class WorkerLoop:
@@ -136,6 +139,8 @@ class WorkerLoop:
         self.steps = 0  # engine steps run: the unit of a job's timeline (worker/timeline.py)
         self.step_started = 0.0  # unix time the latest step began
         self.step_cpu = (0.0, 0.0)  # CPU seconds (all threads) of the step before the latest, and the latest
+        self.step_s = 0.0  # wall seconds of the latest step
+        self.awaited: weakref.WeakSet[Future[Any]] = weakref.WeakSet()  # reads a step already waited for
         self.ending: deque[tuple[HeldJob, Outcome]] = deque()
         self.confirmed = ConfirmedEndings(self.connection)  # kept until a replica holds them
         self.saving: list[tuple[HeldJob, Future[bool]]] = []  # agent turns kept until the put is durable
@@ -310,6 +315,7 @@ class WorkerLoop:
         else:
             self._admit()
             self._fill()
+            self._await_reads()
         if self.engine.has_work():
             self._step()
             self._flush()
@@ -558,6 +564,23 @@ class WorkerLoop:
             failed.set_exception(exc)
             return failed
 
+    def _await_reads(self) -> None:
+        """Give the cache reads begun for jobs just taken a moment before the batch steps, then admit
+        them: a read still under way when the step starts cost its job a whole step (its first token
+        came from the step after next), while a store miss or a disk read of a few MB ends in
+        milliseconds. The batch waits at most READ_WAIT_FRACTION of its last step, once per read."""
+        reads = [
+            read
+            for held in self.scheduler.all()
+            for read in (held.cache, held.source)
+            if read is not None and not read.done() and read not in self.awaited
+        ]
+        if not reads or not self.engine.has_work():
+            return
+        self.awaited.update(reads)
+        wait(reads, timeout=READ_WAIT_FRACTION * self.step_s)
+        self._admit()
+
     def _waiting(self, held: HeldJob, reason: str) -> None:
         if held.wait_reason != reason:
             held.wait_reason = reason
@@ -637,6 +660,7 @@ class WorkerLoop:
             self.step_started, cpu = time.time(), time.process_time()
             output = self.engine.step()
             self.step_cpu = (self.step_cpu[1], time.process_time() - cpu)
+            self.step_s = time.time() - self.step_started
         except Exception:
             # One forward pass serves the whole batch: a failed step fails every job in it.
             reason = traceback.format_exc()
