@@ -72,6 +72,8 @@ def run_client(name: str, stack: ClientStack, tmp: Path) -> list[Turn] | str:
     refused = [exchange.brief() for exchange in session.exchanges() if not exchange.ok]
     if refused:
         return "refused: " + "; ".join(refused)[:400]
+    ignored = {e.headers["x-kvrq-ignored"] for e in session.exchanges() if "x-kvrq-ignored" in e.headers}
+    print(f"x-kvrq-ignored: {sorted(ignored) or 'none'}", flush=True)
     return session.turns()
 
 
@@ -91,8 +93,8 @@ def main() -> None:
                 kind = CLIENTS[name][0]
                 if kind not in stacks:
                     stacks[kind] = start_stack(kind, root)
-                outcome = run_client(name, stacks[kind], root / name)
                 print(f"\n## {name} ({Path(stacks[kind].model).name})", flush=True)
+                outcome = run_client(name, stacks[kind], root / name)
                 print(outcome if isinstance(outcome, str) else table(outcome), flush=True)
                 results[name] = outcome if isinstance(outcome, str) else [asdict(turn) for turn in outcome]
         finally:

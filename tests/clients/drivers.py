@@ -88,7 +88,7 @@ def codex(stack: ClientStack, tmp: Path) -> tuple[Session, list[str]]:
     (home / ".codex").mkdir(parents=True)
     env = isolated_env(home, CODEX_HOME=str(home / ".codex"), OPENAI_API_KEY="unused")
     provider = f'{{name="kvrq",base_url="{stack.url}/v1",wire_api="responses",env_key="OPENAI_API_KEY"}}'
-    base = [program, "exec", "--skip-git-repo-check", "-c", "model_provider=kvrq"]
+    base: list[str | Path] = [program, "exec", "--skip-git-repo-check", "-c", "model_provider=kvrq"]
     base += ["-c", f"model_providers.kvrq={provider}", "-m", stack.model]
     session = Session(stack, tmp / "work")
     turns = (["Say hello."], ["resume", "--last", "And now?"], ["resume", "--last", "Thanks."])
@@ -154,7 +154,8 @@ def aider(stack: ClientStack, tmp: Path) -> Session:
         f"- name: {model}\n  edit_format: whole\n  use_temperature: 0\n  extra_params:\n    max_tokens: 24\n"
     )
     env = isolated_env(tmp / "home", LITELLM_LOCAL_MODEL_COST_MAP="True")
-    argv = [program, "--model", model, "--openai-api-base", f"{stack.url}/v1", "--openai-api-key", "unused"]
+    argv: list[str | Path] = [program, "--model", model, "--openai-api-base", f"{stack.url}/v1"]
+    argv += ["--openai-api-key", "unused"]
     argv += ["--model-settings-file", "settings.yml", "--no-git", "--yes-always", "--no-check-update"]
     argv += ["--no-analytics", "--no-show-model-warnings", "--no-stream", "--no-pretty", "--no-fancy-input"]
     argv += ["--restore-chat-history", "--map-tokens", "0"]
