@@ -3,8 +3,6 @@ serve` with a body limit that holds an agent CLI's request, and the recording pr
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,35 +13,11 @@ from rq.serializers import JSONSerializer
 
 from producer.models import GenerationRequest, GenerationResult
 from tests.clients.proxy import RecordingProxy
-from tests.conftest import free_port
 from tests.http.test_integration import ServeProcess
-from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
+from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
 
 #: Claude Code's default request is ~250 KB of JSON (24 tools); kvrq serve's default limit is 8 MB.
 MAX_BODY_MB = 8
-
-
-class ClientServe(ServeProcess):
-    """ServeProcess with kvrq's default body limit (the http tests' tiny one refuses agent CLIs)."""
-
-    def __init__(self, redis_url: str, workdir: Path) -> None:
-        self.redis_url = redis_url
-        self.port = free_port()
-        self.log_path = workdir / "serve.log"
-        command = [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "serve",
-            "--redis",
-            redis_url,
-            "--port",
-            str(self.port),
-        ]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*command, "--max-body-mb", str(MAX_BODY_MB)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
-            )
 
 
 @dataclass
@@ -63,7 +37,7 @@ class ClientStack:
         self.workdir = workdir
         self.redis_proc = RedisProcess(workdir)
         self.worker: WorkerProcess | None = None
-        self.serve: ClientServe | None = None
+        self.serve: ServeProcess | None = None
         self.proxy: RecordingProxy | None = None
 
     def start(self) -> ClientStack:
@@ -73,7 +47,8 @@ class ClientStack:
         self.worker = WorkerProcess(self.redis_proc.url, self.workdir, name=name, args=args).start(
             timeout=300
         )
-        self.serve = ClientServe(self.redis_proc.url, self.workdir)
+        # kvrq's default body limit, over the http tests' tiny one (later options win)
+        self.serve = ServeProcess(self.redis_proc.url, self.workdir, ["--max-body-mb", str(MAX_BODY_MB)])
         serve = self.serve
         wait_for(
             lambda: serve.serves(self.model) or serve.proc.poll() is not None, 60, "kvrq serve did not start"
