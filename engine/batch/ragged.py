@@ -26,6 +26,9 @@ and each step is ONE forward pass over a flat batch of tokens:
   says minimises their mean first token, or the first step the burst's shortest half where that
   costs the mean little and saves its median a step (engine/batch/step_cost.py);
   decoding rows get a token every step whatever is being prefilled;
+- a decoding row may carry a prompt-lookup draft after its token (engine/batch/speculation.py):
+  its 1 + k tokens run like a prefill chunk, the verified ones are kept and the caches trimmed
+  back over the rest;
 - on the CPU, a flat batch of 4-16 tokens runs as 16 rows and 20-31 as 32, OpenBLAS's fast
   matmul shapes (engine/cpu/gemm_rows.py): the extra rows attend to nothing, write no K/V and are
   never sampled.
@@ -527,9 +530,11 @@ class RaggedBatchGenerator:
         self.slots.clear()
 
     def step(self) -> list[RowToken]:
-        """One forward pass: one token of every decoding row plus up to prefill_tokens_per_step
-        prompt tokens (shortest remaining prompt first). A row whose prompt ends in this step
-        samples its first token from it. Finished rows stay until `remove`."""
+        """One forward pass: one token of every decoding row (and the draft the speculation policy
+        gave it, if any: engine/batch/speculation.py) plus up to prefill_tokens_per_step prompt
+        tokens (shortest remaining prompt first). A row whose prompt ends in this step samples its
+        first token from it; a drafted row gets its accepted drafts and one more. Finished rows
+        stay until `remove`."""
         self.steps += 1
         live = [row for row in self.rows.values() if not row.finished]
         chunks = self._prefill_chunks([row for row in live if not row.decoding])
