@@ -291,7 +291,11 @@ def test_length_ends_incomplete(client: openai.OpenAI) -> None:
             400,
             "other",
         ),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "web_search"),
+        (  # a hosted tool is left out of the prompt (named in x-kvrq-ignored): forcing it cannot be
+            {"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+            400,
+            "web_search",
+        ),
         ({"input": "x", "conversation": "conv_" + "0" * 48}, 404, "not found"),
         ({"input": "x", "background": True}, 400, "background"),
         (
