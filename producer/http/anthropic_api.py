@@ -434,10 +434,15 @@ class MessageStream:
         ]
 
     def _close(self) -> list[bytes]:
+        """The open block's end; a thinking block's signature first, as Anthropic streams it (empty:
+        a local model signs nothing, and kvrq takes the block back unsigned)."""
         if self.block is None:
             return []
+        signed = (
+            [self._delta({"type": "signature_delta", "signature": ""})] if self.block == "thinking" else []
+        )
         self.block = None
-        return [named_event({"type": "content_block_stop", "index": self.index})]
+        return [*signed, named_event({"type": "content_block_stop", "index": self.index})]
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return named_event({"type": "content_block_delta", "index": self.index, "delta": delta})

@@ -366,6 +366,7 @@ def test_message_stream_is_anthropics_event_sequence() -> None:
         "message_start",
         "content_block_start",
         "content_block_delta",
+        "content_block_delta",  # the thinking block's signature (empty), as Anthropic streams one
         "content_block_stop",
         "content_block_start",
         "content_block_delta",
@@ -377,10 +378,11 @@ def test_message_stream_is_anthropics_event_sequence() -> None:
         "message_delta",
         "message_stop",
     ]
-    assert [data["index"] for _, data in sent[1:-2]] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
-    assert sent[5][1]["delta"] == {"type": "text_delta", "text": "Hel"}
-    assert sent[8][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {}}
-    assert json.loads(sent[9][1]["delta"]["partial_json"]) == {"city": "Rome"}
+    assert [data["index"] for _, data in sent[1:-2]] == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert sent[3][1]["delta"] == {"type": "signature_delta", "signature": ""}
+    assert sent[6][1]["delta"] == {"type": "text_delta", "text": "Hel"}
+    assert sent[9][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {}}
+    assert json.loads(sent[10][1]["delta"]["partial_json"]) == {"city": "Rome"}
     assert sent[-2][1]["delta"]["stop_reason"] == "tool_use"
     assert sent[-2][1]["usage"]["cache_read_input_tokens"] == 20
 
