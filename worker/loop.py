@@ -800,6 +800,10 @@ class WorkerLoop:
         cache = outcome.completion.cache
         if cache is None or self.store is None:
             return
+        if self.recent is not None:
+            # A new agent of the namespace that re-sends this history (a Responses turn without
+            # previous_response_id, a client that rotates its session id) resumes from it to the token.
+            self.recent.add(cache, self._tenant(held))
         try:
             cache = dataclasses.replace(cache, conversation=conversation)
             put = self.store.put(held.agent_id, cache, fence=held.fence, namespace=self._namespace(held))

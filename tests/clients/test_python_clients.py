@@ -26,18 +26,12 @@ def test_aider_message_runs_with_restored_history(builtin_stack: ClientStack, tm
 
 
 #: Server side, not done (issue 42 item 6): measured at 6100f7a + the server work in progress.
-RESPONSES_ANONYMOUS_REUSE = (
-    "POST /v1/responses with the whole history and neither previous_response_id nor prompt_cache_key "
-    "runs as a new agent (agent id responses:resp_...) and resumes 7 of the 33 and 54 tokens it shares "
-    "with the session's previous request (reused 7/7/7, shared 0/33/54); the same history over chat "
-    "completions resumes them"
-)
 
 
 @pytest.mark.parametrize(
     "api",
     [
-        pytest.param("responses", marks=pytest.mark.xfail(strict=True, reason=RESPONSES_ANONYMOUS_REUSE)),
+        "responses",
         "chat",
     ],
 )
