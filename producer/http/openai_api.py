@@ -153,6 +153,8 @@ def kvrq_extension(result: GenerationResult) -> dict[str, Any]:
         "usage": result.usage.model_dump(),
         "timings": result.timings.model_dump(),
         "worker": result.worker,
+        # response_format answers: valid against the full schema, the violation, keywords not enforced.
+        "schema_check": None if result.schema_check is None else result.schema_check.model_dump(),
     }
 
 

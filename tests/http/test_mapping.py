@@ -182,6 +182,19 @@ def test_chat_response_reports_cached_tokens_tool_calls_reasoning_and_logprobs()
     assert body["kvrq"]["job_id"] == "j1" and body["kvrq"]["usage"]["reused_tokens"] == 20
 
 
+def test_a_structured_answer_says_whether_it_is_valid_against_its_whole_schema() -> None:
+    check = {
+        "valid": False,
+        "violation": "$: ['a', 'a'] has non-unique elements",
+        "unenforced": ["uniqueItems"],
+    }
+    parsed = openai_api.parse(CHAT_URL, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    body = openai_api.response(parsed, "m", result(schema_check=check))
+    assert body["kvrq"]["schema_check"] == check
+    plain = openai_api.response(parsed, "m", result())
+    assert plain["kvrq"]["schema_check"] is None  # no response_format: nothing was checked
+
+
 def test_chat_stream_is_openais_chunk_sequence() -> None:
     stream = openai_api.ChatStream("j1", "m", include_usage=True, logprobs=True)
     chunks = stream.head()
