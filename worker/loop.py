@@ -568,17 +568,17 @@ class WorkerLoop:
         """Give the cache reads begun for jobs just taken a moment before the batch steps, then admit
         them: a read still under way when the step starts cost its job a whole step (its first token
         came from the step after next), while a store miss or a disk read of a few MB ends in
-        milliseconds. The batch waits at most READ_WAIT_FRACTION of its last step, once per read."""
+        milliseconds (often already over here: it ended during the rest of the intake). The batch
+        waits at most READ_WAIT_FRACTION of its last step, once per read."""
         reads = [
-            read
-            for held in self.scheduler.all()
-            for read in (held.cache, held.source)
-            if read is not None and not read.done() and read not in self.awaited
+            read for held in self.scheduler.waiting for read in (held.cache, held.source) if read is not None
         ]
         if not reads or not self.engine.has_work():
             return
-        self.awaited.update(reads)
-        wait(reads, timeout=READ_WAIT_FRACTION * self.step_s)
+        pending = [read for read in reads if not read.done() and read not in self.awaited]
+        if pending:
+            self.awaited.update(pending)
+            wait(pending, timeout=READ_WAIT_FRACTION * self.step_s)
         self._admit()
 
     def _waiting(self, held: HeldJob, reason: str) -> None:

@@ -70,3 +70,28 @@ def test_a_read_outlasting_the_wait_costs_the_batch_one_wait_and_joins_when_it_e
     assert waits == [arrived], "waited for once, not at every step while it was under way"
     timeline = sent[0].meta()["progress"]["timeline"]
     assert timeline["admitted_step"] == read_ends, "inserted at the first boundary after its read ended"
+
+
+def test_a_read_that_ended_during_the_rest_of_the_intake_is_admitted_before_the_step(
+    setup: tuple[Harness, CountingEngine, SlowReadStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read was under way when the job was offered to the engine, and over (nothing left to wait
+    for) by the time the batch is about to step: found through the worker's own bench, where a store
+    miss ended during the intake's next dequeue and the job lost a step."""
+    h, engine, store = setup
+    monkeypatch.setattr(loop_module, "wait", lambda reads, timeout: pytest.fail("nothing to wait for"))
+    busy_batch(h, engine, 3)
+    real_steal = h.loop._steal
+
+    def reads_end_meanwhile() -> Any:
+        for _, read in store.reads:
+            if not read.done():
+                read.set_result(read_result())
+        return real_steal()
+
+    monkeypatch.setattr(h.loop, "_steal", reads_end_meanwhile)
+    arrived, sent = arrive_during_next_step(h, engine, {"agent_id": "b", "prompt": "hello", "max_tokens": 2})
+    h.run_until(lambda: bool(sent) and sent[0].status() == "finished")
+    timeline = sent[0].meta()["progress"]["timeline"]
+    assert timeline["dequeued_step"] == timeline["admitted_step"] == arrived
+    assert timeline["first_token_step"] == arrived + 1
