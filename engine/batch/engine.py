@@ -301,7 +301,10 @@ class BlockPoolBatchEngine:
         """Give a ragged row its drafting state where it can draft (engine/batch/speculation.py)."""
         assert isinstance(self._backend, RaggedBackend)
         row = self._backend.generator.rows[uid]
-        if can_draft(row):
+        # A seeded sampled row runs plainly: its seed promises the same tokens on every run (a re-run
+        # after a crash, mlx-lm's own generate), and whether a step drafts depends on its timing.
+        seeded = bool(params.temperature) and params.seed is not None
+        if can_draft(row) and not seeded:
             row.speculation = RowSpeculation(sampled=SampledDraws(params) if params.temperature else None)
 
     def check(self, params: SamplingParams) -> None:
