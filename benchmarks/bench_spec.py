@@ -25,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_engine import table  # noqa: E402
 from engine.core.params import SamplingParams  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
@@ -192,13 +193,6 @@ def bench(rows: list[int], tasks: list[str], max_tokens: int, repeat: int) -> li
             print(row, flush=True)
             out.append(row)
     return out
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main() -> None:

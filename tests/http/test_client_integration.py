@@ -16,8 +16,7 @@ from redis import Redis
 from producer.http.ignored import HEADER
 from producer.http.model_cards import CLAMP_HEADER
 from tests.http.test_client_shapes import claude_code_body, codex_body
-from tests.http.test_integration import MODEL, QUESTION, ServeProcess
-from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
+from tests.http.test_integration import MODEL, QUESTION, ServeProcess, serve_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,20 +42,8 @@ LOOKUP = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    workdir = tmp_path_factory.mktemp("clients")
-    redis = RedisProcess(workdir)
-    redis.start()
-    worker = WorkerProcess(redis.url, workdir, name="clients-worker")
-    serve = ServeProcess(redis.url, workdir)
-    try:
-        worker.start()
-        wait_for(lambda: serve.serves(MODEL) or serve.proc.poll() is not None, 60, "kvrq serve did not start")
-        assert serve.proc.poll() is None, serve.log()
+    with serve_stack(tmp_path_factory.mktemp("clients"), "clients-worker") as (serve, _):
         yield serve
-    finally:
-        serve.stop()
-        worker.stop()
-        redis.stop()
 
 
 def events(response: httpx.Response) -> list[dict[str, Any]]:

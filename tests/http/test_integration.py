@@ -6,6 +6,7 @@ takes it, so greedy runs pass it in `extra_body`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -74,24 +75,33 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Redis]]:
-    workdir = tmp_path_factory.mktemp("http")
+@contextlib.contextmanager
+def serve_stack(
+    workdir: Path, worker_name: str, model: str = MODEL, worker_args: Sequence[str] = ()
+) -> Iterator[tuple[ServeProcess, str]]:
+    """A redis-server, one `kvrq worker` (`worker_args`: its model) and `kvrq serve` serving `model`;
+    (the server, the Redis URL) while they run, all stopped after."""
     redis = RedisProcess(workdir)
     redis.start()
-    worker = WorkerProcess(redis.url, workdir, name="http-worker")
+    worker = WorkerProcess(redis.url, workdir, name=worker_name, args=list(worker_args))
     server = ServeProcess(redis.url, workdir)
     try:
         worker.start()
         wait_for(
-            lambda: server.serves(MODEL) or server.proc.poll() is not None, 60, "kvrq serve did not start"
+            lambda: server.serves(model) or server.proc.poll() is not None, 60, "kvrq serve did not start"
         )
         assert server.proc.poll() is None, server.log()
-        yield server, Redis.from_url(redis.url)
+        yield server, redis.url
     finally:
         server.stop()
         worker.stop()
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Redis]]:
+    with serve_stack(tmp_path_factory.mktemp("http"), "http-worker") as (server, redis_url):
+        yield server, Redis.from_url(redis_url)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from tests.http.test_integration import ServeProcess
-from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
+from tests.http.test_integration import ServeProcess, serve_stack
 from tests.worker.test_integration_tools import ANSWER, QUESTION, WEATHER, model_folder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -26,21 +25,8 @@ AGENT = "http-tool-agent"
 @pytest.fixture(scope="module")
 def server(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     workdir = tmp_path_factory.mktemp("http-tools")
-    redis = RedisProcess(workdir)
-    redis.start()
-    worker = WorkerProcess(redis.url, workdir, name="http-tools", args=["--model", str(model_folder)])
-    serve = ServeProcess(redis.url, workdir)
-    try:
-        worker.start()
-        wait_for(
-            lambda: serve.serves(str(model_folder)) or serve.proc.poll() is not None, 60, "no kvrq serve"
-        )
-        assert serve.proc.poll() is None, serve.log()
+    with serve_stack(workdir, "http-tools", str(model_folder), ["--model", str(model_folder)]) as (serve, _):
         yield serve
-    finally:
-        serve.stop()
-        worker.stop()
-        redis.stop()
 
 
 def test_openai_tool_call_result_and_answer(server: ServeProcess, model_folder: Path) -> None:
