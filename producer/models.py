@@ -511,6 +511,7 @@ _LEFT_OUT_AT_DEFAULT = (
     "frequency_penalty",
     "logprobs",
     "continue_",
+    "max_tokens_fit",
 )
 
 
