@@ -104,7 +104,7 @@ def test_a_turn_past_the_context_fails_with_a_code_naming_the_options() -> None:
 
 
 def test_an_evicted_cache_forgets_no_message() -> None:
-    h = Harness()
+    h = Harness(recent_prefix_mb=0)  # no copy of the evicted cache kept in the worker's memory either
     first = run(h, {"agent_id": "a", "messages": [user("remember me")], "continue": True}).result()
     h.store.caches.clear()  # evicted (or damaged): the queue's Redis still has the conversation
     run(h, {"agent_id": "a", "messages": [user("who?")], "continue": True})

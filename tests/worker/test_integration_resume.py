@@ -76,7 +76,9 @@ def test_a_resumed_answer_equals_the_answer_without_cache(producer: Producer) ->
     first = ask(producer, "qa", messages([], QUESTIONS[0]), "parity")
     second_chat = messages([(QUESTIONS[0], first.text)], QUESTIONS[1])
     resumed = ask(producer, "qb", second_chat, "parity")  # the other worker, from the Redis store
-    fresh = ask(producer, "qb", second_chat, None)
+    # The reference prefills it all: a namespace of its own, so no cache of parity's (kept whole in the
+    # worker's recent prefixes) can serve it.
+    fresh = ask(producer, "qb", second_chat, None, namespace="reference")
     assert resumed.usage.reused_tokens > 0 and fresh.usage.reused_tokens == 0
     assert resumed.token_ids == fresh.token_ids
 
