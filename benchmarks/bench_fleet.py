@@ -81,7 +81,7 @@ def run_mode(affinity: bool, args: argparse.Namespace) -> dict[str, Any]:
     from redis import Redis
 
     from producer.client import Producer
-    from producer.protocol import CACHE_LOOKUPS_FIELD, HOT_HITS_FIELD
+    from producer.wire.protocol import CACHE_LOOKUPS_FIELD, HOT_HITS_FIELD
     from worker.cli.spawn import redis_server, worker_process
 
     with ExitStack() as stack:

@@ -27,7 +27,7 @@ from rq.job import Job  # noqa: E402
 from rq.serializers import JSONSerializer  # noqa: E402
 
 from producer.models import MAX_PROMPT_CHARS  # noqa: E402
-from producer.protocol import JOB_FUNCTION  # noqa: E402
+from producer.wire.protocol import JOB_FUNCTION  # noqa: E402
 from worker.job_data import BoundedJob  # noqa: E402
 from worker.jobs import JobRejected, request_from_job  # noqa: E402
 

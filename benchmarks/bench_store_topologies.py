@@ -44,7 +44,7 @@ import redis  # noqa: E402
 from redis.cluster import ClusterNode, RedisCluster  # noqa: E402
 
 from engine.core.spec import LayerSpec, ModelCacheSpec  # noqa: E402
-from producer.redis_url import connect  # noqa: E402
+from producer.wire.redis_url import connect  # noqa: E402
 from store.backend import BlockBackend  # noqa: E402
 from store.factory import open_backend  # noqa: E402
 from store.redis_store import MAX_VALUE_BYTES  # noqa: E402

@@ -24,7 +24,8 @@ from producer import liveness
 from producer.conversation import read_conversation
 from producer.liveness import job_wait_detail, no_worker_line, unheard_queue
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import (
+from producer.tenants import Tenant, tenant_of
+from producer.wire.protocol import (
     CANCEL_FLAG_TTL_S,
     DEFAULT_QUEUE,
     JOB_FUNCTION,
@@ -38,8 +39,8 @@ from producer.protocol import (
     worker_alive_key,
     worker_queue_name,
 )
-from producer.redis_url import READ_RETRY, UNSENT, connect, retry_unsent, wait_replicated
-from producer.tenants import Tenant, tenant_of
+from producer.wire.redis_url import REDIS_DOWN, UNSENT, connect, retry_unsent, wait_replicated
+from producer.wire.text import as_text
 
 logger = logging.getLogger("kvrq.producer")
 
@@ -130,7 +131,7 @@ class JobHandle:
 
     def status(self) -> str:
         """rq's status string: queued, started, finished, failed, canceled, ..."""
-        raw = retry_unsent(lambda: self.connection.hget(Job.key_for(self.id), "status"), errors=READ_RETRY)
+        raw = retry_unsent(lambda: self.connection.hget(Job.key_for(self.id), "status"), errors=REDIS_DOWN)
         if raw is None:
             raise JobNotFoundError(f"no job {self.id} in Redis")
         return raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -157,7 +158,7 @@ class JobHandle:
             # status read lies past it and wakes the wait below at once (read after the status, the
             # wait could take that very result for an old one and sleep a whole poll).
             latest: Any = retry_unsent(
-                lambda: self.connection.xrevrange(results_key, "+", "-", count=1), errors=READ_RETRY
+                lambda: self.connection.xrevrange(results_key, "+", "-", count=1), errors=REDIS_DOWN
             )
             last_id = latest[0][0] if latest else "0-0"
             outcome = self._outcome()
@@ -194,7 +195,7 @@ class JobHandle:
         """Entries of one stream after `last_id`, waiting up to `block` seconds for the first."""
         block_ms = None if block is None else max(1, int(block * 1000))
         response: Any = retry_unsent(
-            lambda: self.connection.xread({key: last_id}, block=block_ms, count=count), errors=READ_RETRY
+            lambda: self.connection.xread({key: last_id}, block=block_ms, count=count), errors=REDIS_DOWN
         )
         return list(response[0][1]) if response else []
 
@@ -432,7 +433,7 @@ class Producer:
         With `job_ids`, ids that already name a job get a handle to that job instead of a new one,
         so a resubmission after a crash is idempotent.
 
-        A Redis primary failing over is ridden out (producer.redis_url.retry_unsent); with a Sentinel
+        A Redis primary failing over is ridden out (producer.wire.redis_url.retry_unsent); with a Sentinel
         URL the call returns once a replica holds the jobs too (`wait`), else raises ConnectionError.
         """
         validated = [_validate(request) for request in requests]
@@ -477,7 +478,7 @@ class Producer:
         if not agents:
             return {}
         found = self.connection.mget([agent_home_key(agent) for agent in agents])
-        homes = {agent: _text(worker) for agent, worker in zip(agents, found, strict=True) if worker}
+        homes = {agent: as_text(worker) for agent, worker in zip(agents, found, strict=True) if worker}
         workers = sorted({worker for worker in homes.values() if worker})
         if not workers:
             return {}
@@ -512,7 +513,3 @@ def _validate(request: GenerationRequest | Mapping[str, Any]) -> GenerationReque
     if isinstance(request, GenerationRequest):
         return GenerationRequest.model_validate(request.model_dump())
     return GenerationRequest.model_validate(dict(request))
-
-
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value

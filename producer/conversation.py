@@ -17,7 +17,7 @@ from redis import Redis
 from redis.exceptions import WatchError
 
 from producer.models import ChatMessage, GenerationRequest, Tool
-from producer.protocol import agent_conversation_key, agent_fence_key
+from producer.wire.protocol import agent_conversation_key, agent_fence_key
 
 
 class ConversationRecord(BaseModel):

@@ -17,7 +17,8 @@ from rq import Queue, Worker
 from rq.job import Job, JobStatus
 from rq.worker import BaseWorker
 
-from producer.protocol import CAPACITY_FIELD, SERIALIZER, worker_alive_key
+from producer.wire.protocol import CAPACITY_FIELD, SERIALIZER, worker_alive_key
+from producer.wire.text import as_text
 
 #: Seconds of waiting before a client first says that no worker listens, then how often it repeats it.
 FIRST_NOTICE_S = 5.0
@@ -126,9 +127,5 @@ class WorkerWatch:
 def _job_fields(connection: Redis, job_id: str) -> tuple[str | None, str | None, str | None]:
     """(status, origin queue, worker name) from the rq job hash; None where absent."""
     raw: list[bytes | str | None] = connection.hmget(Job.key_for(job_id), ["status", "origin", "worker_name"])
-    status, queue, worker = (_text(value) for value in raw)
+    status, queue, worker = (as_text(value) for value in raw)
     return status, queue, worker
-
-
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value

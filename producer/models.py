@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from producer.protocol import agent_id_problem
+from producer.wire.ids import agent_id_problem
 
 # Strict scalars: JSON's true is not the number 1, nor 1 the boolean true (the APIs type them apart).
 StrictInt = Annotated[int, Field(strict=True)]
@@ -300,7 +300,7 @@ class GenerationRequest(BaseModel):
     agent_id: str | None = Field(
         default=None,
         description="resume from and save to this agent's KV cache; None for a one-off job "
-        "(the rule: producer.protocol.agent_id_problem)",
+        "(the rule: producer.wire.protocol.agent_id_problem)",
     )
     continue_: StrictBool = Field(
         default=False,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer.models import NAMESPACE_PATTERN, GenerationRequest, GenerationResult
-from producer.protocol import MAX_AGENT_ID_LENGTH, agent_id_problem
+from producer.wire.ids import MAX_AGENT_ID_LENGTH, agent_id_problem
 
 QUALIFIER = "t:"
 _TENANT = re.compile(NAMESPACE_PATTERN)

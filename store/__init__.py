@@ -3,7 +3,7 @@
 Entry point: `open_store(uri, spec, ...)`. Format: docs/store-format.md.
 """
 
-from store.agent_ids import InvalidAgentIdError, validate_agent_id
+from producer.wire.ids import InvalidAgentIdError, validate_agent_id
 from store.base import CacheInfo, CacheStore
 from store.disk import DiskStore
 from store.errors import BadCacheError, StoreError

@@ -20,8 +20,8 @@ import numpy as np
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
+from producer.wire.ids import validate_agent_id
 from store import layered_codec, quant
-from store.agent_ids import validate_agent_id
 from store.base import BACKEND_COUNTERS, CacheInfo, Stats, log, note_miss, record_miss, shared_prefix
 from store.block_codec import EncodedBlock, decode_block, encode_block
 from store.errors import (

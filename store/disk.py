@@ -35,7 +35,8 @@ from pathlib import Path
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
-from store.agent_ids import agent_key, validate_agent_id
+from producer.wire.ids import validate_agent_id
+from store.agent_ids import agent_key
 from store.backend import (
     DEFAULT_NAMESPACE,
     Blob,

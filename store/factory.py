@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from engine.core.spec import ModelCacheSpec
+from producer.wire.redis_url import DEFAULT_REDIS_URL
 from store.backend import DEFAULT_NAMESPACE, DEFAULT_PREFIX_BYTES, BlockBackend
 from store.disk import MARKER, DiskStore
 from store.errors import StoreError
@@ -17,8 +18,7 @@ from store.sharded import ShardedStore
 
 MiB = 1024 * 1024
 DEFAULT_HOT_TIER_BYTES = 512 * MiB
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-#: URL forms of a Redis store; the Sentinel ones need `connect` (the worker passes producer.redis_url's).
+#: URL forms of a Redis store; the Sentinel ones need `connect` (the worker passes producer.wire.redis_url's).
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
 
 

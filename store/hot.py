@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.core.blocks import AgentCache
-from store.agent_ids import validate_agent_id
+from producer.wire.ids import validate_agent_id
 from store.backend import BlockBackend, check_fence
 from store.base import CacheInfo, Stats, log, shared_prefix
 from store.errors import NO_COMMON_PREFIX, StoreError

@@ -42,7 +42,10 @@ from redis.exceptions import DataError, RedisError, ResponseError, WatchError
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
-from store.agent_ids import agent_key, validate_agent_id
+from producer.wire.ids import validate_agent_id
+from producer.wire.redis_url import FAILOVER_BUDGET_S, REDIS_DOWN
+from producer.wire.text import as_text
+from store.agent_ids import agent_key
 from store.backend import (
     DEFAULT_NAMESPACE,
     Blob,
@@ -72,8 +75,6 @@ from store.manifest import (
     summarize_manifest,
 )
 from store.replication import (
-    FAILOVER_BUDGET_S,
-    REDIS_DOWN,
     UNREPLICATED_HOLD_S,
     Replication,
     backoff,
@@ -305,7 +306,7 @@ class RedisStore(BlockBackend):
         it uses, whoever touches them) lose their expiry; with `slide` the others get ttl_s again.
         `agent_id` None: only shared blocks (held for anonymous prefixes)."""
         assert self.ttl_s is not None
-        pinned = {_text(member) for member in self._client.smembers(self._pinned)}
+        pinned = {as_text(member) for member in self._client.smembers(self._pinned)}
         shared = [(name, nbytes) for name, nbytes in blocks if parse_shared_name(name) is not None]
         pipe = self._client.pipeline(transaction=False)
         for name, _ in shared:
@@ -322,7 +323,7 @@ class RedisStore(BlockBackend):
         for (name, nbytes), refs in zip(shared, users, strict=True):
             keys = [*self._part_keys("", name, nbytes, part_bytes), self._refs_key(name)]
             keys.append(self._pointer_key(name.partition(".")[0]))
-            groups.append((keys, held or bool(pinned & {_text(user) for user in refs})))
+            groups.append((keys, held or bool(pinned & {as_text(user) for user in refs})))
         pipe = self._client.pipeline(transaction=False)
         for keys, keep in groups:
             for key in keys:
@@ -907,7 +908,7 @@ class RedisStore(BlockBackend):
         members: Any = self._client.zrange(self._prefixes, 0, -1, withscores=True)
         if not members:
             return []
-        names = [_text(member) for member, _ in members]
+        names = [as_text(member) for member, _ in members]
         pipe = self._client.pipeline(transaction=False)
         pipe.hmget(self._prefix_sizes, names)
         for name in names:
@@ -916,7 +917,7 @@ class RedisStore(BlockBackend):
         sizes, *counts = pipe.execute()
         entries = []
         for index, (name, (_member, score)) in enumerate(zip(names, members, strict=True)):
-            nbytes, _, part_bytes = _text(sizes[index] or b"0:0").partition(":")
+            nbytes, _, part_bytes = as_text(sizes[index] or b"0:0").partition(":")
             agents = int(counts[2 * index]) - int(counts[2 * index + 1])
             entries.append(PrefixEntry(name, int(nbytes), float(score), agents, int(part_bytes or 0)))
         return entries
@@ -1032,7 +1033,7 @@ class RedisStore(BlockBackend):
         pipe.hmget(self._links, ids)
         pipe.smembers(self._pinned)
         *exists, sizes, links, pinned_ids = pipe.execute()
-        pinned = {_text(member) for member in pinned_ids}
+        pinned = {as_text(member) for member in pinned_ids}
         usage, gone = [], []
         for agent_id, (_member, score), present, size, linked in zip(
             ids, members, exists, sizes, links, strict=True
@@ -1056,10 +1057,6 @@ class RedisStore(BlockBackend):
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _parse_links(value: bytes | str | None) -> tuple[tuple[str, int], ...]:

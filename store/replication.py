@@ -4,7 +4,7 @@ A worker frees an agent's lock once its put returns, and the agent's next turn (
 the store. A commit the old primary acknowledged but had not yet sent to its replica is gone once the
 replica is promoted: the next turn then resumes from the turn before, a true prefix (the answer is
 right) but a miss nobody counted. Where the client's pool asks for replicas (`wait_replicas`, set by
-producer/redis_url.connect from a Sentinel URL's `?wait=`; the store cannot import the producer), a
+producer/wire/redis_url.connect from a Sentinel URL's `?wait=`), a
 put is confirmed with WAIT and read back; refused writes and lost connections are retried for as long
 as a failover takes (FAILOVER_BUDGET_S, the producer's budget too).
 """
@@ -16,16 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-#: Sentinel announces a new primary within seconds; with one replica and min-replicas-to-write 1 it
-#: takes writes once the old primary rejoined as its replica (10-20 s).
-FAILOVER_BUDGET_S = 30.0
 #: How long puts skip the confirmation once no replica confirmed one (a primary without replicas).
 UNREPLICATED_HOLD_S = 30.0
-#: Errors worth another try once a failover settles (a refused write is a ConnectionError there).
-REDIS_DOWN: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The sharded store's URL: `shards:URL|URL|...`, one Redis URL per shard, and each shard's name.
 
-Each element is any Redis URL the worker's `connect` takes (producer/redis_url.py owns that rule:
+Each element is any Redis URL the worker's `connect` takes (producer/wire/redis_url.py owns that rule:
 redis://, rediss://, unix://, redis+sentinel://...). `|` separates them because it cannot appear
 unencoded in a URL (a password holding one is written %7C), while `,` `;` `&` and `?` can.
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from producer.wire.redact import redact_url
 
 SHARDS_PREFIX = "shards:"
 SEPARATOR = "|"
@@ -36,14 +38,11 @@ def is_sharded_uri(uri: str) -> bool:
 
 
 def redact(url: str) -> str:
-    """A URL (or a `shards:` list) with userinfo and `password` options masked, for messages.
-
-    The store may not import producer.redact (dependency direction); masks more rather than less."""
+    """A URL, or each URL of a `shards:` list, with its passwords masked, for messages."""
     if is_sharded_uri(url):
         parts = url.removeprefix(SHARDS_PREFIX).split(SEPARATOR)
-        return SHARDS_PREFIX + SEPARATOR.join(redact(part) for part in parts)
-    url = re.sub(r"//[^/?#]*@", "//***@", url)
-    return re.sub(r"((?:^|[?&;])[^=&;#]*password[^=&;#]*)=[^&;#]*", r"\1=***", url, flags=re.IGNORECASE)
+        return SHARDS_PREFIX + SEPARATOR.join(redact_url(part) for part in parts)
+    return redact_url(url)
 
 
 def parse_shards(uri: str) -> list[Shard]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from engine.core.blocks import AgentCache
-from store.agent_ids import validate_agent_id
+from producer.wire.ids import validate_agent_id
 from store.backend import Blob, BlockBackend, PrefixEntry, PrefixWrite, Usage
 from store.base import CacheInfo, log
 from store.block_codec import EncodedBlock

@@ -15,7 +15,7 @@ import time
 from redis import Redis
 from rq.queue import Queue
 
-from producer.protocol import (
+from producer.wire.protocol import (
     AGENT_HOME_TTL_S,
     WORKER_QUEUE_SEPARATOR,
     agent_home_key,

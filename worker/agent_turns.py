@@ -1,6 +1,6 @@
 """Agent turns across the fleet: an agent's jobs run one at a time, in enqueue order, on any worker.
 
-Three Redis records per agent (keys in producer/protocol.py):
+Three Redis records per agent (keys in producer/wire/protocol.py):
 - a line (sorted set): every held job of the agent, scored by its first enqueue time. A job
   joins when a worker takes it and leaves when it ends; a job handed back (drain, crash
   re-run) keeps its place, so the agent's later jobs never overtake it;
@@ -29,8 +29,9 @@ from redis import Redis
 from redis.exceptions import WatchError
 from rq.job import Job, JobStatus
 
-from producer.protocol import agent_fence_key, agent_jobs_key, agent_lock_key, worker_agents_key
-from producer.redis_url import wait_replicated
+from producer.wire.protocol import agent_fence_key, agent_jobs_key, agent_lock_key, worker_agents_key
+from producer.wire.redis_url import wait_replicated
+from producer.wire.text import as_text
 from worker.replica_reads import ReplicaReads
 
 log = logging.getLogger("kvrq.worker")
@@ -85,7 +86,7 @@ class AgentTurns:
             head = _texts(self.connection.zrange(key, 0, 0))
             if not head or head[0] == job_id:
                 return True
-            status = _text(self.connection.hget(Job.key_for(head[0]), "status"))
+            status = as_text(self.connection.hget(Job.key_for(head[0]), "status"))
             if status not in _ENDED:
                 return False  # an earlier job of this agent is queued or running somewhere
             self.connection.zrem(key, head[0])  # left behind by a job that ended elsewhere
@@ -94,7 +95,7 @@ class AgentTurns:
         with self.connection.pipeline() as pipe:
             try:
                 pipe.watch(lock_key)
-                current = _text(pipe.get(lock_key))
+                current = as_text(pipe.get(lock_key))
                 if current == token:
                     pipe.unwatch()
                     return True  # ours already (a retry after an outage)
@@ -115,7 +116,7 @@ class AgentTurns:
         with self.connection.pipeline() as pipe:
             try:
                 pipe.watch(key)
-                if _text(pipe.get(key)) != self._token(job_id):
+                if as_text(pipe.get(key)) != self._token(job_id):
                     pipe.unwatch()
                 else:
                     pipe.multi()
@@ -135,7 +136,7 @@ class AgentTurns:
         found = self._released.read_back(lambda pipe, released: pipe.get(agent_lock_key(released[0])))
         again = 0
         for (agent_id, job_id), value in found:
-            if _text(value) == self._token(job_id) and self._locks.get(agent_id) != job_id:
+            if as_text(value) == self._token(job_id) and self._locks.get(agent_id) != job_id:
                 log.warning(
                     "agent %s: the release of job %s's turn was gone after a failover: again",
                     agent_id,
@@ -151,7 +152,7 @@ class AgentTurns:
             return []
         agents = list(self._locks)
         values = self.connection.mget([agent_lock_key(agent) for agent in agents])
-        lost = [a for a, v in zip(agents, values, strict=True) if _text(v) != self._token(self._locks[a])]
+        lost = [a for a, v in zip(agents, values, strict=True) if as_text(v) != self._token(self._locks[a])]
         with self.connection.pipeline(transaction=False) as pipe:
             for agent in agents:
                 if agent not in lost:
@@ -172,7 +173,7 @@ def release_dead_worker(connection: Redis, worker_name: str) -> list[str]:
         with connection.pipeline() as pipe:
             try:
                 pipe.watch(key)
-                value = _text(pipe.get(key))
+                value = as_text(pipe.get(key))
                 if value is None or not value.startswith(f"{worker_name}/"):
                     pipe.unwatch()
                     continue
@@ -184,10 +185,6 @@ def release_dead_worker(connection: Redis, worker_name: str) -> list[str]:
                 continue
     connection.delete(worker_agents_key(worker_name))
     return freed
-
-
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _texts(values: object) -> list[str]:

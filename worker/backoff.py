@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producer.redis_url import WriteRefusedError
+from producer.wire.redis_url import WriteRefusedError
 
 #: The longest wait after a write refused by a server that answered (READONLY, NOREPLICAS): a failover
 #: is under way and ends within seconds (~16 s measured); with the doubling alone a worker slept up to

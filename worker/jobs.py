@@ -24,7 +24,7 @@ from rq.job import Job
 from engine.core.errors import InvalidRequestError
 from engine.core.params import OutputGrammar, SamplingParams
 from producer.models import QUEUE_OPTION_FIELDS, GenerationRequest, JsonObjectFormat, JsonSchemaFormat
-from producer.protocol import JOB_FUNCTION
+from producer.wire.protocol import JOB_FUNCTION
 from worker.job_data import BoundedJob
 
 

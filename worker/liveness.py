@@ -15,7 +15,7 @@ import threading
 from redis import Redis
 from redis.exceptions import RedisError
 
-from producer.protocol import worker_alive_key
+from producer.wire.protocol import worker_alive_key
 
 log = logging.getLogger("kvrq.worker")
 

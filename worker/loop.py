@@ -32,14 +32,12 @@ from queue import Empty
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
 from engine.core.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
 from producer.models import GenerationRequest
-from producer.protocol import (
+from producer.wire.protocol import (
     CACHE_HITS_FIELD,
     CACHE_LOOKUPS_FIELD,
     CAPACITY_FIELD,
@@ -61,6 +59,7 @@ from producer.protocol import (
     ErrorCode,
     cancel_key,
 )
+from producer.wire.redis_url import REDIS_DOWN
 from worker import conversations, rqexec
 from worker.affinity import Affinity
 from worker.agent_output import (
@@ -99,7 +98,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvrq.worker")
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 #: A busy batch waits this share of its last step, once per read, for cache reads taken this pass.
 READ_WAIT_FRACTION = 0.25
 

@@ -23,7 +23,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import clean_registries
 
-from producer.protocol import CAPACITY_FIELD, SERIALIZER, shared_queue_of
+from producer.wire.protocol import CAPACITY_FIELD, SERIALIZER, shared_queue_of
 from worker import rqexec
 from worker.agent_turns import release_dead_worker
 from worker.liveness import alive

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from producer.protocol import shared_queue_of
+from producer.wire.protocol import shared_queue_of
 from worker.latency import HISTOGRAMS, LatencyHistograms
 from worker.outcomes import COUNTERS
 

@@ -32,7 +32,7 @@ class Finished:
 class Failed:
     """It cannot finish here. `retry`: rq re-queues it while its `retries` last (a transient failure)."""
 
-    code: str  # producer.protocol.ErrorCode
+    code: str  # producer.wire.protocol.ErrorCode
     reason: str
     retry: bool
     phase: ProgressPhase = "failed"

@@ -13,7 +13,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import resolve_serializer
 
-from producer.protocol import SERIALIZER, StreamEvent, stream_key
+from producer.wire.protocol import SERIALIZER, StreamEvent, stream_key
 
 log = logging.getLogger("kvrq.worker")
 

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from redis import Redis
 
-from producer.redis_url import (
+from producer.wire.redis_url import (
     CONFIRM_RETRY_S,
     CONFIRM_WAIT_MS,
     FAILOVER_BUDGET_S,

@@ -36,11 +36,11 @@ from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 from rq.serializers import resolve_serializer
 from rq.timeouts import BaseDeathPenalty, JobTimeoutException, TimerDeathPenalty, UnixSignalDeathPenalty
-from rq.utils import as_text, get_version, now
+from rq.utils import get_version, now
 from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
-from producer.protocol import (
+from producer.wire.protocol import (
     CRASH_BUDGET_META_KEY,
     CRASHES_META_KEY,
     ERROR_META_KEY,
@@ -50,6 +50,7 @@ from producer.protocol import (
     shared_queue_of,
     worker_queue_name,
 )
+from producer.wire.text import as_text
 from worker.job_data import BoundedJob
 
 log = logging.getLogger("kvrq.worker")
@@ -191,7 +192,7 @@ def finish_job(
 
 class JobError(Exception):
     """What a kvrq job's `on_failure` callback receives for a failure that raised nothing
-    (rq passes the job's exception): `code` is producer.protocol.ErrorCode."""
+    (rq passes the job's exception): `code` is producer.wire.protocol.ErrorCode."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -240,7 +241,7 @@ def owns_execution(connection: Redis, job: Job, execution: Execution) -> bool:
         pipe.zscore(job.started_job_registry.key, execution.composite_key)
         pipe.hget(job.key, "status")
         score, status = pipe.execute()
-    return score is not None and _text(status) == JobStatus.STARTED
+    return score is not None and as_text(status) == JobStatus.STARTED
 
 
 def fail_job(
@@ -367,7 +368,7 @@ def heartbeat(
     for index, (job, _) in enumerate(held):
         raw_status, flag, score = replies[3 * index : 3 * index + 3]
         signals[job.id] = JobSignals(
-            status=_text(raw_status), cancel_requested=bool(flag), registered=score is not None
+            status=as_text(raw_status), cancel_requested=bool(flag), registered=score is not None
         )
     return signals
 
@@ -488,14 +489,10 @@ def is_kvrq_worker(connection: Redis, worker_name: str, marker_field: str) -> bo
     return connection.hexists(key, marker_field)
 
 
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def worker_queues_of(connection: Redis, shared_queue: str) -> list[str]:
     """Every worker's own queue of `shared_queue` that rq knows (live workers' and dead ones')."""
     prefix = Queue.redis_queue_namespace_prefix + worker_queue_name(shared_queue, "")
-    keys = [_text(key) or "" for key in connection.smembers(Queue.redis_queues_keys)]
+    keys = [as_text(key) or "" for key in connection.smembers(Queue.redis_queues_keys)]
     return sorted(
         key.removeprefix(Queue.redis_queue_namespace_prefix) for key in keys if key.startswith(prefix)
     )
@@ -506,10 +503,10 @@ def waited_longer(queue: Queue, seconds: float) -> bool:
     head = queue.connection.lindex(queue.key, 0)
     if head is None:
         return False
-    enqueued = queue.connection.hget(Job.key_for(_text(head) or ""), "enqueued_at")
+    enqueued = queue.connection.hget(Job.key_for(as_text(head) or ""), "enqueued_at")
     if enqueued is None:
         return True  # a dangling id: let dequeue clean it up
-    stamp = datetime.fromisoformat((_text(enqueued) or "").replace("Z", "+00:00"))
+    stamp = datetime.fromisoformat((as_text(enqueued) or "").replace("Z", "+00:00"))
     if stamp.tzinfo is None:
         stamp = stamp.replace(tzinfo=timezone.utc)
     return (datetime.now(timezone.utc) - stamp).total_seconds() > seconds

@@ -20,7 +20,7 @@ import time
 from redis import Redis
 from rq.scheduler import RQScheduler
 
-from producer.protocol import SERIALIZER
+from producer.wire.protocol import SERIALIZER
 
 log = logging.getLogger("kvrq.worker")
 

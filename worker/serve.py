@@ -10,8 +10,8 @@ import time
 
 from redis import Redis
 
-from producer.redact import redact_url
-from producer.redis_url import connect
+from producer.wire.redact import redact_url
+from producer.wire.redis_url import connect
 from worker.backoff import Backoff
 from worker.loop import REDIS_DOWN, WorkerLoop
 from worker.memory import return_large_frees_to_the_os

@@ -10,7 +10,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
+from producer.wire.protocol import DEFAULT_QUEUE
+from producer.wire.redis_url import DEFAULT_REDIS_URL
 
 
 class WorkerSettings(BaseSettings):

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from engine.core.blocks import AgentCache
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
-from producer.protocol import agent_fence_key, agent_lock_key
+from producer.wire.protocol import agent_fence_key, agent_lock_key
 from store.base import CacheInfo
 from worker.ports import Engine, Store
 

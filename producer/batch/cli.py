@@ -19,8 +19,8 @@ from redis.exceptions import RedisError
 
 from producer.batch import RunNotFoundError, batch_status, cancel_batch, list_batches, run_batch
 from producer.batch.output import OutputLockedError
-from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
-from producer.redis_url import connect
+from producer.wire.protocol import DEFAULT_QUEUE
+from producer.wire.redis_url import DEFAULT_REDIS_URL, connect
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

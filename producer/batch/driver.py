@@ -36,9 +36,9 @@ from producer.batch.output import BatchOutput
 from producer.batch.progress import Progress
 from producer.batch.run import BatchRun, RunState, derive_run_id, job_id_for, validate_run_id
 from producer.liveness import WorkerWatch, live_workers
-from producer.protocol import CAPACITY_FIELD, DEFAULT_QUEUE
-from producer.redis_url import connect
 from producer.tenants import Tenant
+from producer.wire.protocol import CAPACITY_FIELD, DEFAULT_QUEUE
+from producer.wire.redis_url import connect
 
 logger = logging.getLogger("kvrq.batch")
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from producer.models import GenerationRequest
-from producer.protocol import ErrorCode
+from producer.wire.protocol import ErrorCode
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -17,7 +17,7 @@ from rq.results import Result
 from rq.serializers import resolve_serializer
 
 from producer.client import Producer, job_failure
-from producer.protocol import SERIALIZER, ErrorCode, cancel_key
+from producer.wire.protocol import SERIALIZER, ErrorCode, cancel_key
 
 JobState = Literal["queued", "running", "finished", "failed", "canceled", "missing"]
 

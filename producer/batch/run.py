@@ -1,7 +1,7 @@
 """A batch run as a named object in Redis: its state, its counts and the ids of its rq jobs.
 
 The run record lets `kvrq batch status` and `kvrq batch cancel` work from any machine, while the client
-driving the run is alive or after it died. Keys (built in producer/protocol.py):
+driving the run is alive or after it died. Keys (built in producer/wire/protocol.py):
 - `kvrq:batch:run:<run_id>`: hash with state (submitting | running | done | canceled), counts (total,
   queued, running, done, failed, invalid), queue, input/output paths, timestamps, the driving client.
 - `kvrq:batch:run:<run_id>:jobs`: set of the rq job ids the run enqueued.
@@ -25,7 +25,7 @@ from redis import Redis
 from redis.exceptions import WatchError
 from redis.typing import EncodableT, FieldT
 
-from producer.protocol import BATCH_RUNS_KEY, batch_jobs_key, batch_run_key
+from producer.wire.protocol import BATCH_RUNS_KEY, batch_jobs_key, batch_run_key
 
 RunState = Literal["submitting", "running", "done", "canceled"]
 COUNT_FIELDS = ("total", "queued", "running", "done", "failed", "invalid")

@@ -35,7 +35,7 @@ from producer.http.ignored import ignore
 from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import named_event
 from producer.models import GenerationResult
-from producer.protocol import StreamEvent
+from producer.wire.protocol import StreamEvent
 
 #: Body fields of /v1/messages kvrq maps (temperature, top_p and top_k as the API had them before 2026).
 FIELDS = frozenset(

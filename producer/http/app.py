@@ -36,8 +36,7 @@ from producer.http.model_cards import CLAMP_HEADER, anthropic_model, clamped_to,
 from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
 from producer.http.sse import OnResult, Translator, open_stream
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import DEFAULT_REDIS_URL
-from producer.redis_url import connect
+from producer.wire.redis_url import DEFAULT_REDIS_URL, connect
 
 logger = logging.getLogger("kvrq.http")
 

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from producer.client import JobFailedError, JobHandle, JobNotFoundError, Producer, ResultTimeoutError
 from producer.http.errors import APIError, from_job_failure
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import StreamEvent
+from producer.wire.protocol import StreamEvent
 
 T = TypeVar("T")
 logger = logging.getLogger("kvrq.http")

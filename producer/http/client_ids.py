@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from producer.protocol import agent_id_problem
+from producer.wire.ids import agent_id_problem
 
 #: Claude Code's headers: a subagent's own id (parallel subagents are separate agents: each its own
 #: cache and turn order), then the session's.

@@ -27,8 +27,8 @@ from starlette.types import Scope
 
 from producer.conversation import forget_conversation
 from producer.http.guard import request_tenant
-from producer.protocol import conversation_items_key, conversation_key, response_key
 from producer.tenants import Tenant
+from producer.wire.protocol import conversation_items_key, conversation_key, response_key
 
 #: Seconds a record lives after it was last written (OpenAI keeps responses 30 days).
 RECORD_TTL_S = 30 * 24 * 3600

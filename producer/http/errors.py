@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.batch.format import validation_message
 from producer.client import JobCanceledError, JobFailedError
-from producer.protocol import ErrorCode
+from producer.wire.protocol import ErrorCode
 
 logger = logging.getLogger("kvrq.http")
 

@@ -27,7 +27,7 @@ from producer.http.ignored import ignore
 from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import DONE, data_event
 from producer.models import GenerationResult
-from producer.protocol import StreamEvent
+from producer.wire.protocol import StreamEvent
 
 
 @dataclass(frozen=True)

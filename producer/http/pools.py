@@ -24,8 +24,8 @@ from rq.worker import BaseWorker
 
 from producer.http.errors import APIError
 from producer.liveness import alive, all_live_workers
-from producer.protocol import CONTEXT_FIELD, DEFAULT_QUEUE, MODEL_FIELD, SERIALIZER, shared_queue_of
-from producer.redis_url import FAILOVER_BUDGET_S
+from producer.wire.protocol import CONTEXT_FIELD, DEFAULT_QUEUE, MODEL_FIELD, SERIALIZER, shared_queue_of
+from producer.wire.redis_url import FAILOVER_BUDGET_S
 
 #: Seconds a reading of the pools is reused (each reading lists the workers: a few Redis round trips).
 POOLS_TTL_S = 1.0

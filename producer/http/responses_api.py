@@ -29,7 +29,7 @@ from producer.http.errors import APIError, invalid
 from producer.http.ignored import ignore
 from producer.http.sse import named_event
 from producer.models import GenerationResult, ToolCall
-from producer.protocol import StreamEvent
+from producer.wire.protocol import StreamEvent
 
 #: Body fields kvrq maps.
 FIELDS = frozenset(

@@ -21,7 +21,7 @@ from producer.client import JobHandle, ResultTimeoutError
 from producer.http.bridge import Bridge
 from producer.http.errors import APIError, Flavor
 from producer.models import GenerationResult
-from producer.protocol import StreamEvent
+from producer.wire.protocol import StreamEvent
 
 logger = logging.getLogger("kvrq.http")
 

@@ -14,7 +14,7 @@ from producer import liveness
 from producer.batch import batch_status, cancel_batch, run_batch
 from producer.batch.jobs import JobOutcome, RqJobSource
 from producer.batch.run import BatchRun, derive_run_id
-from producer.protocol import ErrorCode
+from producer.wire.protocol import ErrorCode
 from tests.batch.fakes import FakeJobs, RqFakeWorkerSource, read_output
 from tests.producer.fakes import fail_like_rq, fake_redis
 

@@ -18,7 +18,7 @@ from producer.batch.format import (
     success_line,
 )
 from producer.models import GenerationRequest
-from producer.protocol import ErrorCode
+from producer.wire.protocol import ErrorCode
 
 
 def chat_line(custom_id: str = "r1", **body: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import pytest
 from rq.job import JOB_ID_PATTERN
 
 from producer.batch.run import BatchRun, derive_run_id, job_id_for, list_runs, validate_run_id
-from producer.protocol import batch_jobs_key, batch_run_key
+from producer.wire.protocol import batch_jobs_key, batch_run_key
 from tests.producer.fakes import fake_redis
 
 

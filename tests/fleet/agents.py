@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from producer.client import JobHandle, Producer
 from producer.conversation import read_record
 from producer.models import GenerationResult
-from producer.protocol import CACHE_HITS_FIELD, CACHE_LOOKUPS_FIELD
+from producer.wire.protocol import CACHE_HITS_FIELD, CACHE_LOOKUPS_FIELD
 from tests.worker.chaos_checks import deliveries, summary
 from tests.worker.procs import WorkerProcess
 from tests.worker.reference import reference_results

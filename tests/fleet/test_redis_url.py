@@ -1,4 +1,4 @@
-"""producer.redis_url: the URL forms, the clients they make, and how refused writes are classified.
+"""producer.wire.redis_url: the URL forms, the clients they make, and how refused writes are classified.
 
 The refusal tests use a real redis-server of their own made to refuse writes the way a primary
 does during a failover (NOREPLICAS under min-replicas-to-write, READONLY as a replica).
@@ -12,7 +12,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.sentinel import SentinelManagedConnection
 
-from producer.redis_url import (
+from producer.wire.redis_url import (
     FailoverConnection,
     FailoverSentinelConnection,
     FailoverSentinelPool,

@@ -22,8 +22,8 @@ from redis import Redis
 from rq.job import Job
 
 from engine.core.results import Completion
-from producer.protocol import JOB_FUNCTION, agent_fence_key, agent_lock_key
-from producer.redis_url import connect
+from producer.wire.protocol import JOB_FUNCTION, agent_fence_key, agent_lock_key
+from producer.wire.redis_url import connect
 from store.errors import StoreError
 from store.redis_store import RedisStore
 from tests.fleet.sentinel import SentinelTopology, wait_until

@@ -32,7 +32,7 @@ from rq.serializers import JSONSerializer
 from producer.batch import run_batch
 from producer.client import Producer
 from producer.http.app import ServeSettings, create_app
-from producer.protocol import DEFAULT_QUEUE
+from producer.wire.protocol import DEFAULT_QUEUE
 from tests.fleet.sentinel import SentinelTopology, wait_until
 from tests.worker.procs import WorkerProcess
 from worker.cli import commands

@@ -14,7 +14,7 @@ from producer.http.app import ServeSettings, create_app
 from producer.http.errors import APIError
 from producer.http.guard import load_keys
 from producer.http.pools import Pool, PoolDirectory
-from producer.protocol import CAPACITY_FIELD, MODEL_FIELD, worker_alive_key
+from producer.wire.protocol import CAPACITY_FIELD, MODEL_FIELD, worker_alive_key
 from tests.producer.fakes import fake_redis
 from worker.rqexec import KvrqWorker
 

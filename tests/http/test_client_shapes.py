@@ -24,7 +24,8 @@ from producer.http.ignored import HEADER, collecting
 from producer.http.model_cards import clamped_to
 from producer.http.pools import Pool
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import StreamEvent, agent_id_problem
+from producer.wire.ids import agent_id_problem
+from producer.wire.protocol import StreamEvent
 from tests.http.test_fuzz import app_client, mutate  # noqa: F401  (app_client: the fixture)
 from tests.producer.fakes import fake_redis
 

@@ -18,7 +18,7 @@ from producer.http.app import ServeSettings, create_app
 from producer.http.bridge import Bridge
 from producer.http.pools import Pool
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import StreamEvent
+from producer.wire.protocol import StreamEvent
 from tests.batch.test_format import RESULT
 from tests.producer.fakes import fake_redis
 

@@ -22,7 +22,7 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from producer.protocol import MODEL_FIELD, StreamEvent, stream_key
+from producer.wire.protocol import MODEL_FIELD, StreamEvent, stream_key
 from tests.http.test_integration import ServeProcess
 from tests.worker.procs import RedisProcess, wait_for
 

@@ -13,7 +13,7 @@ from producer.http import anthropic_api, openai_api
 from producer.http.bridge import Replay
 from producer.http.errors import APIError, flavor_of, from_job_failure
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import ErrorCode, StreamEvent
+from producer.wire.protocol import ErrorCode, StreamEvent
 from tests.batch.test_format import LOGPROBS, RESULT
 
 ENTRY = LOGPROBS[0]

@@ -18,7 +18,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer.conversation import read_conversation
-from producer.protocol import StreamEvent, agent_conversation_key, stream_key
+from producer.wire.protocol import StreamEvent, agent_conversation_key, stream_key
 from tests.http import test_load
 from tests.http.test_integration import ServeProcess
 from tests.http.test_load import MODEL, StandInWorker

@@ -14,8 +14,8 @@ from producer.http.app import ServeSettings, create_app
 from producer.http.conversations import Records, StoredResponse, scope_of
 from producer.http.errors import APIError
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import StreamEvent
 from producer.tenants import key_tenant
+from producer.wire.protocol import StreamEvent
 from tests.http.test_mapping import RESULT, events
 from tests.producer.fakes import fake_redis
 

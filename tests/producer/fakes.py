@@ -19,7 +19,7 @@ def fail_like_rq(
     from rq.job import Job, JobStatus
     from rq.results import Result
 
-    from producer.protocol import ERROR_META_KEY
+    from producer.wire.protocol import ERROR_META_KEY
 
     job = Job.fetch(job_id, connection=connection, serializer="json")
     if error is not None:

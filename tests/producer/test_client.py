@@ -19,7 +19,7 @@ from producer.client import (
     ResultTimeoutError,
 )
 from producer.models import GenerationRequest
-from producer.protocol import (
+from producer.wire.protocol import (
     ERROR_META_KEY,
     JOB_FUNCTION,
     ErrorCode,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.connection import parse_url
 
-from producer.redact import redact_url
+from producer.wire.redact import redact_url
 
 SECRET = "s3cr3t-Pa55"
 

@@ -24,8 +24,9 @@ from producer.http.app import ServeSettings, create_app
 from producer.http.guard import load_key_tenants, load_keys
 from producer.http.pools import Pool
 from producer.models import GenerationRequest
-from producer.protocol import MAX_AGENT_ID_LENGTH, ErrorCode, StreamEvent, stream_key
 from producer.tenants import Tenant, key_tenant, tenant_of, tenant_problem
+from producer.wire.ids import MAX_AGENT_ID_LENGTH
+from producer.wire.protocol import ErrorCode, StreamEvent, stream_key
 from tests.producer.fakes import fail_like_rq, fake_redis
 from tests.producer.test_client import _finish_like_a_worker
 

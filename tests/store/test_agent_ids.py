@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from store.agent_ids import MAX_AGENT_ID_LENGTH, InvalidAgentIdError, agent_key, validate_agent_id
+from producer.wire.ids import MAX_AGENT_ID_LENGTH, InvalidAgentIdError, validate_agent_id
+from store.agent_ids import agent_key
 from store.disk import DiskStore
 from store.factory import open_store
 from tests.store.conftest import make_cache, tiny_spec, tokens

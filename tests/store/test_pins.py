@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from store.agent_ids import InvalidAgentIdError, agent_key
+from producer.wire.ids import InvalidAgentIdError
+from store.agent_ids import agent_key
 from store.backend import BlockBackend
 from store.disk import MANIFEST, DiskStore
 from store.redis_store import RedisStore

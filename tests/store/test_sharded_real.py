@@ -14,7 +14,7 @@ import pytest
 import redis
 from redis.exceptions import RedisError
 
-from producer.redis_url import connect
+from producer.wire.redis_url import connect
 from store.factory import open_store
 from store.hot import HotTierStore
 from store.sharded import ShardedStore

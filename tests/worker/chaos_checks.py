@@ -20,7 +20,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer.client import JobFailedError, JobHandle
-from producer.protocol import CRASHES_META_KEY, StreamEvent, stream_key
+from producer.wire.protocol import CRASHES_META_KEY, StreamEvent, stream_key
 
 ENDED = ("finished", "failed", "canceled", "stopped")
 

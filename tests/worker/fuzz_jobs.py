@@ -28,7 +28,8 @@ from producer.models import (
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,
 )
-from producer.protocol import JOB_FUNCTION, MAX_AGENT_ID_LENGTH, ErrorCode
+from producer.wire.ids import MAX_AGENT_ID_LENGTH
+from producer.wire.protocol import JOB_FUNCTION, ErrorCode
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from redis import Redis
 
-from producer.redis_url import connect
+from producer.wire.redis_url import connect
 from tests.conftest import REDIS_SERVER_HINT, free_port, require_binary
 from worker.cli.spawn import worker_command
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producer.protocol import agent_home_key, worker_alive_key, worker_queue_name
+from producer.wire.protocol import agent_home_key, worker_alive_key, worker_queue_name
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
 

@@ -10,7 +10,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.client import JobFailedError
-from producer.protocol import JOB_FUNCTION, ErrorCode
+from producer.wire.protocol import JOB_FUNCTION, ErrorCode
 from tests.worker.harness import Harness
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from producer.redis_url import RedisURLError, connect
+from producer.wire.redis_url import RedisURLError, connect
 from tests.worker.procs import ROOT
 
 SECRET = "hunter2-not-shown"

@@ -11,7 +11,7 @@ from engine.core.blocks import common_prefix_length
 from producer.client import JobFailedError
 from producer.conversation import ConversationRecord, after_turn, extended
 from producer.models import ChatMessage, GenerationRequest
-from producer.protocol import ErrorCode
+from producer.wire.protocol import ErrorCode
 from tests.worker.harness import Harness
 from worker.prompts import prompt_tokens
 

@@ -11,7 +11,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.client import JobFailedError
-from producer.protocol import JOB_FUNCTION, agent_lock_key, worker_alive_key
+from producer.wire.protocol import JOB_FUNCTION, agent_lock_key, worker_alive_key
 from tests.worker.fakes import DictStore, FakeEngine
 from tests.worker.harness import Harness
 from worker.loop import WorkerLoop

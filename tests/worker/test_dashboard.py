@@ -25,7 +25,7 @@ from rq import Queue, Worker
 from rq.serializers import JSONSerializer
 
 from producer.client import Producer
-from producer.protocol import JOB_FUNCTION
+from producer.wire.protocol import JOB_FUNCTION
 from tests.conftest import free_port, require_binary
 from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
 from tests.worker.stackhelp import http_get, serves

@@ -13,7 +13,7 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from producer.protocol import JOB_FUNCTION
+from producer.wire.protocol import JOB_FUNCTION
 from tests.worker.fuzz_jobs import FAMILIES, enqueue, failure_problem, fuzz_cases
 from tests.worker.harness import Harness
 

@@ -19,7 +19,7 @@ from rq.serializers import JSONSerializer
 
 from producer.client import JobFailedError, JobHandle, Producer
 from producer.models import GenerationResult
-from producer.protocol import JOB_FUNCTION
+from producer.wire.protocol import JOB_FUNCTION
 from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
 from tests.worker.reference import reference_results
 

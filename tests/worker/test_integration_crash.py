@@ -23,7 +23,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.client import JobFailedError, JobHandle, Producer
-from producer.protocol import JOB_FUNCTION, worker_agents_key
+from producer.wire.protocol import JOB_FUNCTION, worker_agents_key
 from tests.worker.chaos_checks import ENDED, attempts, crash_reruns, deliveries, stream_events, summary
 from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from producer.client import JobFailedError, Producer
-from producer.protocol import ErrorCode
+from producer.wire.protocol import ErrorCode
 from tests.worker.procs import RedisProcess, WorkerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

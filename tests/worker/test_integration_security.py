@@ -28,7 +28,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from producer.client import Producer
-from producer.redact import redact_url
+from producer.wire.redact import redact_url
 from tests.conftest import REDIS_SERVER_HINT, free_port, require_binary
 from tests.worker.procs import ROOT, WorkerProcess, wait_for
 from tests.worker.stackhelp import http_get, serves

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from producer.protocol import worker_alive_key
+from producer.wire.protocol import worker_alive_key
 from tests.worker.chaos_checks import attempts, crash_reruns
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness

@@ -14,7 +14,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from producer.client import JobCanceledError, JobFailedError
-from producer.protocol import JOB_FUNCTION, agent_lock_key
+from producer.wire.protocol import JOB_FUNCTION, agent_lock_key
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
 from worker import rqexec

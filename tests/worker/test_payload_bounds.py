@@ -19,7 +19,7 @@ from rq.serializers import JSONSerializer
 
 from producer.client import JobFailedError, JobHandle
 from producer.models import MAX_MESSAGES, MAX_METADATA_BYTES, MAX_PROMPT_CHARS, GenerationRequest
-from producer.protocol import JOB_FUNCTION, ErrorCode
+from producer.wire.protocol import JOB_FUNCTION, ErrorCode
 from tests.worker.fakes import FakeTokenizer
 from tests.worker.harness import Harness
 from worker.job_data import MAX_JOB_DATA_BYTES, BoundedJob, data_size_problem

@@ -34,7 +34,7 @@ from rq.registry import (
 )
 from rq.scheduler import RQScheduler
 
-from producer.protocol import JOB_FUNCTION
+from producer.wire.protocol import JOB_FUNCTION
 from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
 from tests.worker.rq_functions import calls_key
 

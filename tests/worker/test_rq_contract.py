@@ -17,7 +17,7 @@ from rq.job import Dependency, Job, JobStatus
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from rq.scheduler import RQScheduler
 
-from producer.protocol import (
+from producer.wire.protocol import (
     CAPACITY_FIELD,
     CRASH_BUDGET_META_KEY,
     JOB_FUNCTION,

@@ -161,7 +161,7 @@ def _imports_after(code: str) -> set[str]:
 
 
 def test_producer_needs_only_redis_rq_and_pydantic() -> None:
-    loaded = _imports_after("import producer.client, producer.models, producer.protocol")
+    loaded = _imports_after("import producer.client, producer.models, producer.wire.protocol")
     assert not loaded & {"mlx", "mlx_lm", "numpy", "engine", "store", "worker", "transformers"}
 
 

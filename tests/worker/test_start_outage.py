@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producer.redis_url import WriteRefusedError
+from producer.wire.redis_url import WriteRefusedError
 from tests.worker.harness import Harness
 from worker.backoff import REFUSED_CAP_S, Backoff
 from worker.loop import WorkerLoop

@@ -17,7 +17,7 @@ from engine.core.blocks import AgentCache
 from engine.core.errors import CacheMismatchError
 from engine.core.params import SamplingParams
 from producer.client import JobHandle
-from producer.protocol import agent_lock_key
+from producer.wire.protocol import agent_lock_key
 from store.errors import StoreError
 from tests.worker.fakes import SPEC, DictStore, FakeEngine
 from tests.worker.harness import Harness

@@ -12,7 +12,7 @@ import pytest
 from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.blocks import AgentCache
 from engine.core.params import SamplingParams
-from producer.protocol import agent_fence_key, agent_lock_key
+from producer.wire.protocol import agent_fence_key, agent_lock_key
 from store import open_store
 from tests.engine.test_ragged import run_all
 from tests.engine.tiny import ByteTokenizer, tiny_model

@@ -51,9 +51,9 @@ def add_agent_commands(commands: argparse._SubParsersAction, redis_default: str)
 def run_agent_command(
     args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None
 ) -> int:
-    from producer.protocol import agent_id_problem
-    from producer.redis_url import connect
     from producer.tenants import Tenant
+    from producer.wire.ids import agent_id_problem
+    from producer.wire.redis_url import connect
 
     out, err = out or sys.stdout, err or sys.stderr
     try:
@@ -105,7 +105,7 @@ def _message_line(message: dict[str, Any]) -> str:
 
 def forget(connection: Any, args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     from producer.conversation import forget_conversation
-    from producer.protocol import agent_jobs_key
+    from producer.wire.protocol import agent_jobs_key
 
     held = int(connection.zcard(agent_jobs_key(args.stored_id)))
     if held:
@@ -133,7 +133,7 @@ def forget(connection: Any, args: argparse.Namespace, out: IO[str], err: IO[str]
 
 def _with_store(args: argparse.Namespace, err: IO[str], action: Any) -> Any:
     """`action(store)` on the workers' store; None (said on `err`) when it cannot be opened."""
-    from producer.redis_url import connect
+    from producer.wire.redis_url import connect
     from store.errors import StoreError
     from store.factory import open_for_admin
 

@@ -68,9 +68,9 @@ def run_cache_command(
 ) -> int:
     from redis.exceptions import RedisError
 
-    from producer.redis_url import connect
     from producer.tenants import tenant_of
-    from store.agent_ids import InvalidAgentIdError
+    from producer.wire.ids import InvalidAgentIdError
+    from producer.wire.redis_url import connect
     from store.errors import StoreError
     from store.factory import open_for_admin
 

@@ -16,7 +16,7 @@ from rq.worker import BaseWorker, Worker
 from producer.client import JobFailedError, JobHandle, Producer, ResultTimeoutError
 from producer.liveness import WorkerWatch, live_workers
 from producer.models import GenerationRequest, GenerationResult
-from producer.protocol import (
+from producer.wire.protocol import (
     CACHE_HITS_FIELD,
     CACHE_LOOKUPS_FIELD,
     CAPACITY_FIELD,
@@ -35,7 +35,8 @@ from producer.protocol import (
     WAITING_FIELD,
     worker_alive_key,
 )
-from producer.redis_url import connect
+from producer.wire.redis_url import connect
+from producer.wire.text import as_text
 from worker.latency import percentiles
 from worker.maintenance import clean_queues
 
@@ -124,7 +125,7 @@ MAX_LISTED_JOBS = 8
 def worker_lines(connection: Redis, worker: BaseWorker) -> list[str]:
     """A worker's state and what it holds: kvrq's fields in its rq worker hash, and its rq executions."""
     raw: Any = connection.hgetall(worker.key)
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+    fields = {as_text(k): as_text(v) for k, v in raw.items()}
     job_ids = [execution.job_id for execution in worker.get_current_executions(refresh=True)]
     beat = worker.last_heartbeat
     ago = f"{(datetime.now(timezone.utc) - beat).total_seconds():.0f} s ago" if beat else "never"
@@ -234,7 +235,3 @@ def declare_dead(connection: Redis, worker_name: str) -> None:
             f"warning: worker {worker_name} is still registered; its jobs are re-run anyway", file=sys.stderr
         )
     connection.delete(worker_alive_key(worker_name))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -28,9 +28,9 @@ from redis import Redis
 
 # RUNNING_FIELD / WAITING_FIELD: a kvrq worker's jobs in the engine and jobs held waiting (for KV
 # blocks or their agent), in its rq worker hash. Optional: other rq workers have neither.
-from producer.protocol import DEFAULT_REDIS_URL, RUNNING_FIELD, WAITING_FIELD
-from producer.redact import redact_url
-from producer.redis_url import connect
+from producer.wire.protocol import RUNNING_FIELD, WAITING_FIELD
+from producer.wire.redact import redact_url
+from producer.wire.redis_url import DEFAULT_REDIS_URL, connect
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 9181

@@ -15,9 +15,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from producer.protocol import DEFAULT_QUEUE, DEFAULT_REDIS_URL
-from producer.redact import redact_url
-from producer.redis_url import RedisURLError, connect
+from producer.wire.protocol import DEFAULT_QUEUE
+from producer.wire.redact import redact_url
+from producer.wire.redis_url import DEFAULT_REDIS_URL, RedisURLError, connect
 from worker.settings import WorkerSettings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -11,8 +11,8 @@ import os
 import signal
 import sys
 
-from producer.protocol import DEFAULT_REDIS_URL
-from producer.redact import redact_url
+from producer.wire.redact import redact_url
+from producer.wire.redis_url import DEFAULT_REDIS_URL
 
 INSTALL_HINT = "kvrq serve needs the serve extra: pip install -e '.[serve]' (fastapi, uvicorn)"
 LOOPBACK = "127.0.0.1"

@@ -19,8 +19,8 @@ from pathlib import Path
 from redis import Redis
 from redis.exceptions import RedisError
 
-from producer.protocol import DEFAULT_QUEUE
-from producer.redis_url import connect
+from producer.wire.protocol import DEFAULT_QUEUE
+from producer.wire.redis_url import connect
 from worker import rqexec
 
 

@@ -28,7 +28,7 @@ from typing import IO
 from redis import Redis
 from redis.exceptions import RedisError
 
-from producer.redis_url import connect
+from producer.wire.redis_url import connect
 from worker import rqexec
 from worker.cli.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from worker.cli.dashboard import LOOPBACK, add_dashboard_command

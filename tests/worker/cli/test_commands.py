@@ -16,7 +16,7 @@ from rq import Worker
 from producer import client
 from producer.client import Producer
 from producer.models import GenerationRequest
-from producer.protocol import (
+from producer.wire.protocol import (
     CACHE_HITS_FIELD,
     CACHE_LOOKUPS_FIELD,
     CAPACITY_FIELD,
@@ -41,7 +41,7 @@ from worker.latency import LatencyHistograms
 
 
 def serve_fake(monkeypatch: pytest.MonkeyPatch, connection: Redis) -> None:
-    """Every client the commands make from a URL (producer.redis_url.connect) is `connection`."""
+    """Every client the commands make from a URL (producer.wire.redis_url.connect) is `connection`."""
     for module in (commands, client):
         monkeypatch.setattr(module, "connect", lambda url, **kw: connection)
 

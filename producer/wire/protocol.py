@@ -7,10 +7,11 @@ a key or field renamed here changes for both at once.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from producer.wire.text import as_text
 
 #: The function path rq records for every kvrq job. Plain rq users enqueue this string.
 JOB_FUNCTION = "worker.jobs.generate"
@@ -18,7 +19,6 @@ DEFAULT_QUEUE = "kvrq"
 #: rq serializer alias used for every kvrq job: JSON, never pickle.
 SERIALIZER = "json"
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 #: Field kvrq adds to its rq worker hash: jobs the worker holds at once (batch runs size their
 #: concurrency from it).
 CAPACITY_FIELD = "kvrq_capacity"
@@ -85,27 +85,6 @@ def last_line(exc_string: str | None) -> str:
     """The last non-empty line of an rq exc_string: the exception and its message."""
     lines = [line.strip() for line in (exc_string or "").strip().splitlines() if line.strip()]
     return lines[-1] if lines else "no reason recorded"
-
-
-#: Agent ids travel in job payloads and Redis keys (kvrq:agent-lock:<id>); stores map them to hashes.
-#: store/agent_ids.py holds the same rule (store may not import producer); a test keeps the two equal.
-MAX_AGENT_ID_LENGTH = 200
-AGENT_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:@+=-]*"
-_AGENT_ID = re.compile(AGENT_ID_PATTERN)
-
-
-def agent_id_problem(agent_id: object) -> str | None:
-    """Why `agent_id` is not a valid agent id, or None when it is."""
-    if not isinstance(agent_id, str):
-        return f"agent id must be a string, not {type(agent_id).__name__}"
-    if not agent_id or len(agent_id) > MAX_AGENT_ID_LENGTH:
-        return f"agent id must be 1 to {MAX_AGENT_ID_LENGTH} characters, got {len(agent_id)}"
-    if _AGENT_ID.fullmatch(agent_id) is None:
-        return (
-            f"agent id {agent_id!r} must start with a letter or digit and use only "
-            "letters, digits and . _ : @ + = -"
-        )
-    return None
 
 
 _PREFIX = "kvrq"
@@ -181,7 +160,7 @@ class StreamEvent:
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes] | dict[str, str]) -> StreamEvent:
-        data = {_text(k): _text(v) for k, v in fields.items()}
+        data = {as_text(k): as_text(v) for k, v in fields.items()}
         kind = data.get("e")
         if kind == "start":
             return cls("start", attempt=data.get("attempt") or None)
@@ -203,10 +182,6 @@ class StreamEvent:
     @property
     def final(self) -> bool:
         return self.kind in ("end", "error")
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
 # ---- keys of the worker fleet (workers write them; `kvrq status` and maintenance read them) ----

@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
-from producer.redact import redact_url
+from producer.wire.redact import redact_url
 
 T = TypeVar("T")
 log = logging.getLogger("kvrq.redis")
@@ -188,8 +188,10 @@ class NotReplicatedError(RedisConnectionError):
 
 #: Errors after which nothing was run, so a write may be sent again as it is.
 UNSENT = (WriteRefusedError, PrimaryUnreachableError)
-#: Errors after which a read may simply be sent again (a failover closes every client's connection).
-READ_RETRY: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: Redis is away for now (down, or failing over: a failover closes every client's connection, and a
+#: refused write is a ConnectionError there); a read may simply be sent again.
+REDIS_DOWN: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
 #: How long `retry_unsent` keeps trying. Sentinel announces a new primary within seconds; with one replica
 #: and min-replicas-to-write 1 it takes writes once the old primary rejoins as its replica (10-20 s).
 FAILOVER_BUDGET_S = 30.0
@@ -207,7 +209,7 @@ def retry_unsent(
 ) -> T:
     """`action()`, tried again with backoff while it fails with `errors`, for up to `budget_s`.
 
-    UNSENT (the default) are safe to retry for any command; pass READ_RETRY for reads only.
+    UNSENT (the default) are safe to retry for any command; pass REDIS_DOWN for reads only.
     """
     deadline = time.monotonic() + budget_s
     delay = 0.05
