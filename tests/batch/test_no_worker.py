@@ -22,11 +22,6 @@ pytestmark = pytest.mark.integration
 NOTICE = "no live worker listens on queue 'kvrq'"
 
 
-@pytest.mark.xfail(
-    reason="open bug: passes alone (6 s), but in the whole suite since 2026-11-26's Redis URL changes the "
-    "client has not exited 60 s after SIGINT; cause not found yet",
-    strict=False,
-)
 def test_batch_run_says_no_worker_listens_and_keeps_waiting(redis_url: str, tmp_path: Path) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     line = {"custom_id": "t1", "method": "POST", "url": "/v1/chat/completions", "body": body}
