@@ -4,7 +4,8 @@ A file prepared for the OpenAI Batch API must run here unchanged, so the body st
 kvrq's one extension (the agent whose cache a line resumes) sits at the top level of the line, next to
 `custom_id`: `{"custom_id": "t1", "method": "POST", "url": "/v1/chat/completions", "body": {...},
 "kvrq": {"agent_id": "a1"}}`. Output lines follow the Batch output shape and add a `kvrq` object (input line
-number, agent, job id, cache reuse) that OpenAI readers ignore.
+number, agent, job id, cache reuse) that OpenAI readers ignore. The body inside a line and the response
+body inside an output line are producer/openai_shapes/'s, as `kvrq serve`'s are.
 """
 
 from __future__ import annotations
@@ -18,52 +19,21 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from producer.models import GenerationRequest
+from producer.openai_shapes.answers import response_body
+from producer.openai_shapes.bodies import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    DEFAULT_MODEL_NAME,
+    URLS,
+    BodyError,
+    chat_request,
+    completion_request,
+    validation_message,
+)
 from producer.wire.protocol import ErrorCode
-
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
-DEFAULT_MODEL_NAME = "kvrq"
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 LINE_FIELDS = frozenset({"custom_id", "method", "url", "body", "kvrq"})
 KVRQ_FIELDS = frozenset({"agent_id"})
-# Body fields kvrq maps onto a GenerationRequest, per endpoint.
-COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop"})
-#: Body fields that pass to the request as they are (GenerationRequest checks them).
-PASSED_FIELDS = frozenset(
-    {
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "repetition_context_size",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-    }
-)
-CHAT_PASSED_FIELDS = PASSED_FIELDS | {
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
-    "chat_template_kwargs",
-}
-CHAT_FIELDS = COMMON_FIELDS | CHAT_PASSED_FIELDS | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON_FIELDS | PASSED_FIELDS | {"prompt", "logprobs"}  # logprobs: the top count here
-# OpenAI fields that do not change what is generated: accepted and dropped.
-IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
-# OpenAI fields kvrq cannot honour: accepted only at their neutral value, so no line silently means less.
-NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1, None),
-    "best_of": (1, None),
-    "stream": (False, None),
-    "echo": (False, None),
-    "suffix": (None, ""),
-}
-CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 #: `error.code` of an output line (ours: OpenAI's Batch output leaves the code to the endpoint's errors).
 LineErrorCode = Literal[
@@ -222,7 +192,10 @@ def _parse_record(line: int, custom_id: str, record: dict[str, Any]) -> BatchReq
     if not isinstance(body, dict):
         raise LineError("invalid_request", "'body' must be a JSON object")
     agent_id = _agent_id(record.get("kvrq"))
-    request = chat_request(body) if url == CHAT_URL else completion_request(body)
+    try:
+        request = chat_request(body) if url == CHAT_URL else completion_request(body)
+    except BodyError as exc:
+        raise LineError("invalid_request", exc.message) from None
     if agent_id is not None:
         request["agent_id"] = agent_id
     request["metadata"] = {"custom_id": custom_id}
@@ -241,6 +214,10 @@ def _parse_record(line: int, custom_id: str, record: dict[str, Any]) -> BatchReq
     )
 
 
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(sorted(names))
+
+
 def _agent_id(ext: Any) -> str | None:
     if ext is None:
         return None
@@ -255,136 +232,6 @@ def _agent_id(ext: Any) -> str | None:
     if agent_id is not None and (not isinstance(agent_id, str) or not agent_id):
         raise LineError("invalid_request", "'kvrq.agent_id' must be a non-empty string")
     return agent_id
-
-
-def _check_body_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
-    for name, value in body.items():
-        if name in allowed or name in IGNORED_FIELDS:
-            continue
-        if name in NEUTRAL_VALUES:
-            if value not in NEUTRAL_VALUES[name]:
-                raise LineError(
-                    "invalid_request", f"body.{name}={json.dumps(value)} is not supported by kvrq"
-                )
-            continue
-        raise LineError("invalid_request", f"unknown field 'body.{name}'")
-
-
-def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
-    """Sampling fields with OpenAI's defaults (temperature 1, top_p 1): the file was written for them."""
-    out: dict[str, Any] = {
-        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
-        "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
-    }
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if max_tokens is not None:
-        out["max_tokens"] = max_tokens
-    if body.get("seed") is not None:
-        out["seed"] = body["seed"]
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        out["stop"] = [stop]
-    elif stop is not None:
-        out["stop"] = stop
-    return out
-
-
-def chat_request(body: dict[str, Any]) -> dict[str, Any]:
-    _check_body_fields(body, CHAT_FIELDS)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise LineError("invalid_request", "body.messages must be a non-empty list for /v1/chat/completions")
-    request = _sampling(body, None)
-    request.update(_passed(body, CHAT_PASSED_FIELDS))
-    request["messages"] = [_message(i, m) for i, m in enumerate(messages)]
-    return request
-
-
-def _passed(body: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
-    return {name: body[name] for name in sorted(names) if body.get(name) is not None}
-
-
-def _message(index: int, message: Any) -> dict[str, Any]:
-    if not isinstance(message, dict):
-        raise LineError(
-            "invalid_request", f"body.messages[{index}] must be an object with 'role' and 'content'"
-        )
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise LineError("invalid_request", f"body.messages[{index}].role must be a string")
-    unknown = sorted(set(message) - MESSAGE_FIELDS)
-    if unknown:
-        raise LineError(
-            "invalid_request", f"body.messages[{index}] has unsupported field(s) {', '.join(unknown)}"
-        )
-    out = {name: message[name] for name in sorted(MESSAGE_FIELDS) if message.get(name) is not None}
-    out["role"] = CHAT_ROLES.get(role, role)
-    content = message.get("content")
-    if content is not None or not message.get("tool_calls"):
-        out["content"] = _content(index, content)
-    return out
-
-
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning"})
-
-
-def _content(index: int, content: Any) -> str:
-    """Message content as text: a string, or a list of text parts joined (images and audio are refused)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise LineError(
-                    "invalid_request", f"body.messages[{index}]: content part {kind!r} is not supported"
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise LineError(
-        "invalid_request", f"body.messages[{index}].content must be a string or a list of text parts"
-    )
-
-
-def completion_request(body: dict[str, Any]) -> dict[str, Any]:
-    _check_body_fields(body, COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise LineError("invalid_request", "body.prompt must be one string for /v1/completions")
-    request = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    request.update(_passed(body, PASSED_FIELDS))
-    top = body.get("logprobs")  # /v1/completions: the number of most likely tokens to return, 0 to 5
-    if top is not None:
-        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 5:
-            raise LineError(
-                "invalid_request", f"body.logprobs must be an integer in [0, 5], got {json.dumps(top)}"
-            )
-        request.update(logprobs=True, top_logprobs=top)
-    request["prompt"] = prompt
-    return request
-
-
-def validation_message(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:3]:
-        where = ".".join(str(p) for p in err.get("loc", ())) or "request"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
-
-
-def _names(names: Iterable[str]) -> str:
-    return ", ".join(sorted(names))
 
 
 # ---- output lines ----------------------------------------------------------------------------------
@@ -418,102 +265,6 @@ def success_line(
             "timings": result.get("timings"),
             "worker": result.get("worker"),
         },
-    }
-
-
-def response_body(
-    url: str, job_id: str, model: str, result: Mapping[str, Any], created: int
-) -> dict[str, Any]:
-    """A finished job's result as OpenAI's response body for `url`: a chat.completion or a text_completion."""
-    text = str(result.get("text", ""))
-    finish_reason = result.get("finish_reason") or "stop"
-    logprobs = result.get("logprobs")
-    if url == CHAT_URL:
-        body: dict[str, Any] = {
-            "id": f"chatcmpl-{job_id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": assistant_message(text, result),
-                    "logprobs": None
-                    if logprobs is None
-                    else {"content": [chat_logprob(e) for e in logprobs]},
-                    "finish_reason": finish_reason,
-                }
-            ],
-        }
-    else:
-        body = {
-            "id": f"cmpl-{job_id}",
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None if logprobs is None else completion_logprobs(logprobs),
-                    "finish_reason": finish_reason,
-                }
-            ],
-        }
-    body["usage"] = openai_usage(result.get("usage") or {})
-    return body
-
-
-def openai_usage(usage: Mapping[str, Any]) -> dict[str, Any]:
-    """A kvrq result's usage in OpenAI's shape: the tokens resumed from cache are `cached_tokens`."""
-    prompt_tokens = int(usage.get("prompt_tokens", 0))
-    generated = int(usage.get("generated_tokens", 0))
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": generated,
-        "total_tokens": prompt_tokens + generated,
-        "prompt_tokens_details": {"cached_tokens": int(usage.get("reused_tokens", 0))},
-    }
-
-
-def assistant_message(text: str, result: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenAI's assistant message: content None when the answer is tool calls alone; reasoning as
-    mlx-lm's server names it."""
-    tool_calls = result.get("tool_calls")
-    message: dict[str, Any] = {"role": "assistant", "content": None if tool_calls and not text else text}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    if result.get("reasoning"):
-        message["reasoning"] = result["reasoning"]
-    return message
-
-
-def chat_logprob(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """One token of chat.completion `logprobs.content`: token, logprob, bytes, top_logprobs."""
-    return {
-        "token": entry["token"],
-        "logprob": entry["logprob"],
-        "bytes": entry.get("bytes"),
-        "top_logprobs": [
-            {"token": top["token"], "logprob": top["logprob"], "bytes": top.get("bytes")}
-            for top in entry.get("top_logprobs") or ()
-        ],
-    }
-
-
-def completion_logprobs(entries: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """text_completion `logprobs`: parallel lists of tokens, their logprobs, top maps and text offsets."""
-    offsets, offset = [], 0
-    for entry in entries:
-        offsets.append(offset)
-        offset += len(entry["token"])
-    return {
-        "tokens": [entry["token"] for entry in entries],
-        "token_logprobs": [entry["logprob"] for entry in entries],
-        "top_logprobs": [
-            {top["token"]: top["logprob"] for top in entry.get("top_logprobs") or ()} for entry in entries
-        ],
-        "text_offset": offsets,
     }
 
 

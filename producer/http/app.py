@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 
-from producer.batch.format import CHAT_URL, COMPLETIONS_URL
 from producer.client import JobHandle, Producer
 from producer.http import anthropic_api, conversations_routes, openai_api, openapi
 from producer.http.body import parsed_body
@@ -36,6 +35,7 @@ from producer.http.model_cards import CLAMP_HEADER, anthropic_model, clamped_to,
 from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
 from producer.http.sse import OnResult, Translator, open_stream
 from producer.models import GenerationRequest, GenerationResult
+from producer.openai_shapes.bodies import CHAT_URL, COMPLETIONS_URL
 from producer.wire.redis_url import DEFAULT_REDIS_URL, connect
 
 logger = logging.getLogger("kvrq.http")

@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer.batch.format import CHAT_URL, COMPLETIONS_URL
 from producer.http.errors import from_validation, invalid
 from producer.models import json_depth_problem
+from producer.openai_shapes.bodies import CHAT_URL, COMPLETIONS_URL
 
 #: OpenAI's metadata: at most 16 pairs, keys up to 64 characters, string values up to 512.
 OpenAIMetadata = Annotated[

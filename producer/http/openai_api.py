@@ -1,7 +1,7 @@
 """OpenAI's `/v1/chat/completions` and `/v1/completions`: bodies to GenerationRequest fields, results and
 stream events back to OpenAI's shapes.
 
-The body mapping is the OpenAI Batch one (producer/batch/format.py: the same bodies, the same checks:
+The body mapping is the OpenAI Batch one (producer/openai_shapes/: the same bodies, the same checks:
 an unknown field or one kvrq cannot honour is refused, never dropped); on top of it this module takes
 the fields only a live request has: `stream`, `stream_options` and `prompt_cache_key` (the agent).
 """
@@ -12,21 +12,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.batch.format import (
-    CHAT_URL,
-    LineError,
-    chat_logprob,
-    chat_request,
-    completion_logprobs,
-    completion_request,
-    openai_usage,
-    response_body,
-)
 from producer.http.errors import Flavor, invalid
 from producer.http.ignored import ignore
 from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import DONE, data_event
 from producer.models import GenerationResult
+from producer.openai_shapes.answers import chat_logprob, completion_logprobs, openai_usage, response_body
+from producer.openai_shapes.bodies import CHAT_URL, BodyError, chat_request, completion_request
 from producer.wire.protocol import StreamEvent
 
 
@@ -67,7 +59,7 @@ def parse(url: str, body: dict[str, Any], *, agent: str | None = None) -> Parsed
         body = narrowed_to_allowed_tools(_without_ignored(body))
     try:
         fields = chat_request(body) if url == CHAT_URL else completion_request(body)
-    except LineError as exc:
+    except BodyError as exc:
         raise invalid(exc.message.replace("body.", "")) from None
     fields.update(memory)
     if agent or key:
@@ -76,7 +68,7 @@ def parse(url: str, body: dict[str, Any], *, agent: str | None = None) -> Parsed
 
 
 #: Chat fields the API defines that change nothing here: taken out of the body and named in
-#: x-kvrq-ignored (batch runs take the first four silently: producer/batch/format.py).
+#: x-kvrq-ignored (batch runs take the first four silently: producer/openai_shapes/bodies.py).
 CHAT_IGNORED_FIELDS = (
     "user",
     "store",

@@ -18,7 +18,6 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from producer.batch.format import CHAT_URL, COMPLETIONS_URL
 from producer.http.body import AnthropicDropped, OpenAIDropped, ResponsesDropped
 from producer.http.conversations import MAX_LIST_LIMIT
 from producer.http.errors import flavor_of
@@ -33,6 +32,7 @@ from producer.models import (
     Tool,
     ToolChoice,
 )
+from producer.openai_shapes.bodies import CHAT_URL, COMPLETIONS_URL
 
 Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]

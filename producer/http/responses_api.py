@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.batch.format import PASSED_FIELDS as SAMPLER_FIELDS
 from producer.http.client_ids import codex_agent, valid_agent
 from producer.http.errors import APIError, invalid
 from producer.http.ignored import ignore
 from producer.http.sse import named_event
 from producer.models import GenerationResult, ToolCall
+from producer.openai_shapes.bodies import PASSED_FIELDS as SAMPLER_FIELDS
 from producer.wire.protocol import StreamEvent
 
 #: Body fields kvrq maps.

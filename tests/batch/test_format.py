@@ -336,3 +336,19 @@ def test_success_line_carries_tool_calls_reasoning_and_logprobs_in_openais_shape
         "top_logprobs": [{"Hi": -0.1}],
         "text_offset": [0],
     }
+
+
+def test_the_openai_shapes_belong_to_neither_door() -> None:
+    """producer/openai_shapes/ is shared by `kvrq serve` and `kvrq batch run`: it imports neither."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    imported = [
+        node.module
+        for path in sorted((root / "producer" / "openai_shapes").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module
+    ]
+    assert "producer.openai_shapes.bodies" in imported
+    assert [m for m in imported if m.startswith(("producer.http", "producer.batch"))] == []

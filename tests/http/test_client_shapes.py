@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from producer.batch.format import CHAT_URL
 from producer.http import anthropic_api, openai_api, pools, sse
 from producer.http import responses_api as responses
 from producer.http.app import STRICT_MAX_TOKENS_ENV, ServeSettings, create_app
@@ -24,6 +23,7 @@ from producer.http.ignored import HEADER, collecting
 from producer.http.model_cards import clamped_to
 from producer.http.pools import Pool
 from producer.models import GenerationRequest, GenerationResult
+from producer.openai_shapes.bodies import CHAT_URL
 from producer.wire.ids import agent_id_problem
 from producer.wire.protocol import StreamEvent
 from tests.http.test_fuzz import app_client, mutate  # noqa: F401  (app_client: the fixture)

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from producer.batch.format import CHAT_URL
 from producer.http import anthropic_api, openai_api
 from producer.http.errors import APIError
+from producer.openai_shapes.bodies import CHAT_URL
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 MESSAGES = {**CHAT, "max_tokens": 8}
