@@ -13,98 +13,65 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import WatchError
-from rq import Queue, Retry
+from rq import Queue
 from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import resolve_serializer
 
-from producer import liveness
+from producer import liveness, outcome
 from producer.conversation import read_conversation
+from producer.enqueue import (
+    DEFAULT_JOB_TIMEOUT,
+    JobWriter,
+    agents_to_place,
+    alive_keys,
+    home_keys,
+    homes_of,
+    live_homes,
+    validated,
+)
+from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError, ResultTimeoutError
 from producer.liveness import job_wait_detail, no_worker_line, unheard_queue
 from producer.models import GenerationRequest, GenerationResult
+from producer.outcome import TERMINAL_STATUSES, Replay
 from producer.tenants import Tenant, tenant_of
 from producer.wire.protocol import (
     CANCEL_FLAG_TTL_S,
     DEFAULT_QUEUE,
-    JOB_FUNCTION,
     SERIALIZER,
-    ErrorCode,
     StreamEvent,
-    agent_home_key,
     cancel_key,
-    failure_of,
     stream_key,
-    worker_alive_key,
-    worker_queue_name,
 )
 from producer.wire.redis_url import REDIS_DOWN, UNSENT, connect, retry_unsent, wait_replicated
-from producer.wire.text import as_text
+
+__all__ = [
+    "DEFAULT_JOB_TIMEOUT",
+    "TERMINAL_STATUSES",
+    "JobCanceledError",
+    "JobFailedError",
+    "JobHandle",
+    "JobNotFoundError",
+    "Producer",
+    "ResultTimeoutError",
+    "job_failure",
+]
 
 logger = logging.getLogger("kvrq.producer")
 
-#: Seconds a started job may run when the request names no job_timeout (rq's own default is 180).
-DEFAULT_JOB_TIMEOUT = 600
-TERMINAL_STATUSES = frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED})
-_POLL_S = 1.0
-_STREAM_FAILURE_WAIT_S = 2.0
-
-
-class JobFailedError(Exception):
-    """The job ended without a result; `reason` is the worker's one-line reason.
-
-    `code` says why in a form to decide on: an ErrorCode value (protocol.py) the worker recorded,
-    ErrorCode.INTERNAL when it recorded none; "canceled" for JobCanceledError.
-    """
-
-    def __init__(
-        self,
-        job_id: str,
-        reason: str,
-        *,
-        status: str = "failed",
-        details: str | None = None,
-        code: str = ErrorCode.INTERNAL,
-    ) -> None:
-        self.job_id = job_id
-        self.reason = reason
-        self.status = status
-        self.details = details or reason
-        self.code = code
-        super().__init__(f"job {job_id} {status} ({code}): {reason}")
-
-
-class JobCanceledError(JobFailedError):
-    """The job was canceled before it finished."""
-
-    def __init__(self, job_id: str) -> None:
-        super().__init__(job_id, "canceled", status="canceled", code="canceled")
-
-
-class JobNotFoundError(LookupError):
-    """No such job in Redis (never enqueued, or its TTL ran out)."""
-
-
-class ResultTimeoutError(TimeoutError):
-    """The job did not end within the given timeout; it keeps running."""
+#: Seconds between a wait's looks at the job's status (a result or an event wakes it at once).
+POLL_S = 1.0
+#: Seconds a failed stream waits for the job's recorded error (the worker writes the stream's first).
+STREAM_FAILURE_WAIT_S = 2.0
 
 
 def job_failure(connection: Redis, job_id: str) -> tuple[str, str, str | None]:
     """(code, one-line reason, rq's exc_string) of a failed job: the worker's structured error in
     job.meta when it wrote one, else what rq recorded (protocol.failure_of)."""
-    serializer = resolve_serializer(SERIALIZER)
-    latest = Result.fetch_latest(Job(job_id, connection=connection), serializer=serializer)
-    details = latest.exc_string if latest is not None else None
-    raw_meta = connection.hget(Job.key_for(job_id), "meta")
-    if isinstance(raw_meta, str):
-        raw_meta = raw_meta.encode()
-    try:
-        meta = serializer.loads(raw_meta) if raw_meta else None
-    except ValueError:  # meta written by a foreign client in another serializer: no kvrq error in it
-        meta = None
-    code, reason = failure_of(meta if isinstance(meta, dict) else None, details)
-    return code, reason, details
+    latest = outcome.latest_result(job_id, connection.xrevrange(Result.get_key(job_id), "+", "-", count=1))
+    return outcome.failure_parts(latest, connection.hget(Job.key_for(job_id), "meta"))
 
 
 class JobHandle:
@@ -132,9 +99,10 @@ class JobHandle:
     def status(self) -> str:
         """rq's status string: queued, started, finished, failed, canceled, ..."""
         raw = retry_unsent(lambda: self.connection.hget(Job.key_for(self.id), "status"), errors=REDIS_DOWN)
-        if raw is None:
+        status = outcome.status_text(raw)
+        if status is None:
             raise JobNotFoundError(f"no job {self.id} in Redis")
-        return raw.decode() if isinstance(raw, bytes) else str(raw)
+        return status
 
     def meta(self) -> dict[str, Any]:
         """rq's job.meta; the worker keeps `progress` (phase, tokens so far) there."""
@@ -161,10 +129,10 @@ class JobHandle:
                 lambda: self.connection.xrevrange(results_key, "+", "-", count=1), errors=REDIS_DOWN
             )
             last_id = latest[0][0] if latest else "0-0"
-            outcome = self._outcome()
-            if outcome is not None:
-                return outcome
-            block = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            ended = self._outcome()
+            if ended is not None:
+                return ended
+            block = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if block <= 0:
                 raise self._timed_out(timeout)
             waiting()
@@ -172,22 +140,16 @@ class JobHandle:
             self._read(results_key, last_id, block=block, count=1)
 
     def _outcome(self) -> GenerationResult | None:
+        """The result once the job has ended (None before); raises its failure (outcome.outcome)."""
         status = self.status()
-        if status == JobStatus.CANCELED:
-            raise JobCanceledError(self.id)
-        if status not in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED):
-            return None
-        if status == JobStatus.FINISHED:
-            job = Job(self.id, connection=self.connection)
-            latest = Result.fetch_latest(job, serializer=self._serializer)
-            if latest is None or latest.type != Result.Type.SUCCESSFUL:
-                raise JobFailedError(self.id, "finished, but its result has expired", status="expired")
-            result = GenerationResult.model_validate(latest.return_value)
-            return result if self.tenant is None else self.tenant.result(result)
-        code, reason, details = job_failure(self.connection, self.id)
-        if self.tenant is not None:
-            reason, details = self.tenant.unqualified(reason), self.tenant.unqualified(details or reason)
-        raise JobFailedError(self.id, reason, status=status, details=details, code=code)
+        latest, meta = None, None
+        if status in outcome.ENDED_STATUSES:
+            with self.connection.pipeline(transaction=False) as pipe:
+                pipe.xrevrange(Result.get_key(self.id), "+", "-", count=1)
+                pipe.hget(Job.key_for(self.id), "meta")
+                reply, meta = retry_unsent(pipe.execute, errors=REDIS_DOWN)
+            latest = outcome.latest_result(self.id, reply)
+        return outcome.outcome(self.id, status, latest, meta, self.tenant)
 
     def _read(
         self, key: str, last_id: bytes | str, *, block: float | None, count: int
@@ -242,7 +204,7 @@ class JobHandle:
         last_id: bytes | str = "0-0"
         seen_any = False
         while True:
-            block = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            block = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if block <= 0:
                 raise self._timed_out(timeout)
             entries = self._read(key, last_id, block=block, count=1024)
@@ -250,7 +212,7 @@ class JobHandle:
                 for entry_id, fields in entries:
                     last_id = entry_id
                     seen_any = True
-                    event = self._seen(StreamEvent.from_fields(fields))
+                    event = outcome.seen(StreamEvent.from_fields(fields), self.tenant)
                     yield event
                     if event.final:
                         return
@@ -260,12 +222,6 @@ class JobHandle:
                 yield from ending
                 return
             waiting()
-
-    def _seen(self, event: StreamEvent) -> StreamEvent:
-        """An event as the handle's tenant sees it (an error's text unqualified)."""
-        if self.tenant is None or event.kind != "error" or not event.error:
-            return event
-        return StreamEvent("error", error=self.tenant.unqualified(event.error))
 
     def _ending_without_stream(
         self, key: str, last_id: bytes | str, seen_any: bool
@@ -281,20 +237,17 @@ class JobHandle:
             return [StreamEvent("error", error=f"no job {self.id} in Redis")]
         if status not in TERMINAL_STATUSES:
             return None
-        # The worker writes the end marker before it finishes the rq job: read what is left.
-        rest = self._read(key, last_id, block=None, count=100_000)
-        if rest:
-            events = [self._seen(StreamEvent.from_fields(fields)) for _, fields in rest]
-            if events and events[-1].final:
-                return events
-        if status == JobStatus.CANCELED:
-            return [StreamEvent("end", finish_reason="canceled")]
-        try:
-            result = self.result(timeout=0.001)
-        except JobFailedError as exc:
-            return [StreamEvent("error", error=exc.reason)]
-        head = [] if seen_any else _result_events(result)
-        return [*head, StreamEvent("end", finish_reason=result.finish_reason)]
+        rest = [
+            outcome.seen(StreamEvent.from_fields(fields), self.tenant)
+            for _, fields in self._read(key, last_id, block=None, count=100_000)
+        ]
+        ended: GenerationResult | JobFailedError | None = None
+        if outcome.needs_result(status, rest):
+            try:
+                ended = self.result(timeout=0.001)
+            except JobFailedError as exc:
+                ended = exc
+        return outcome.closing_events(status, rest, ended, seen_any)
 
     def stream(
         self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
@@ -305,19 +258,25 @@ class JobHandle:
         again after a worker crash or drain streams again from its start: the text already
         yielded is skipped, which is exact for greedy or seeded requests.
         """
-        yielded = 0  # characters handed to the caller
-        attempt_chars = 0  # characters the current attempt has produced
+        replay = Replay()
         for event in self.events(timeout=timeout, on_wait=on_wait):
-            if event.kind == "start":
-                attempt_chars = 0
-            elif event.kind == "delta" and event.text:
-                skip = max(0, yielded - attempt_chars)
-                attempt_chars += len(event.text)
-                if skip < len(event.text):
-                    yielded += len(event.text) - skip
-                    yield event.text[skip:]
-            elif event.kind == "error":
-                raise self._stream_failure(event.error or "failed")
+            fresh = replay.fresh(event)
+            if fresh is None:
+                continue
+            if fresh.kind == "delta" and fresh.text:
+                yield fresh.text
+            elif fresh.kind == "error":
+                raise self._stream_failure(fresh.error or "failed")
+
+    def fresh_events(
+        self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
+    ) -> Iterator[StreamEvent]:
+        """`events()` with what a re-run repeats left out (outcome.Replay), as `stream()` reads them."""
+        replay = Replay()
+        for event in self.events(timeout=timeout, on_wait=on_wait):
+            fresh = replay.fresh(event)
+            if fresh is not None:
+                yield fresh
 
     def _stream_failure(self, reason: str) -> JobFailedError:
         """The error a failed stream ends with, with the job's structured code.
@@ -326,22 +285,12 @@ class JobHandle:
         moment for that, so the code is the one the worker recorded.
         """
         try:
-            self.result(timeout=_STREAM_FAILURE_WAIT_S)
+            self.result(timeout=STREAM_FAILURE_WAIT_S)
         except JobFailedError as exc:
             return exc
         except (ResultTimeoutError, JobNotFoundError):
             pass
         return JobFailedError(self.id, reason)
-
-
-def _result_events(result: GenerationResult) -> list[StreamEvent]:
-    """A finished job's events rebuilt from its result, for a stream that expired before it was read."""
-    events = [StreamEvent("reasoning", text=result.reasoning)] if result.reasoning else []
-    events.append(StreamEvent("delta", text=result.text))
-    events += [
-        StreamEvent("tool_call", data=call.model_dump(mode="json")) for call in result.tool_calls or ()
-    ]
-    return events
 
 
 class _UnheardJobWarning:
@@ -388,7 +337,7 @@ class Producer:
         self.default_job_timeout = default_job_timeout
         self.affinity = affinity
         self.tenant = tenant_of(tenant)
-        self._queues: dict[str, Queue] = {}
+        self.writer = JobWriter(connection, queue, default_job_timeout)
 
     def close(self) -> None:
         self.connection.close()
@@ -400,10 +349,7 @@ class Producer:
         self.close()
 
     def queue(self, name: str | None = None) -> Queue:
-        name = name or self.queue_name
-        if name not in self._queues:
-            self._queues[name] = Queue(name, connection=self.connection, serializer=SERIALIZER)
-        return self._queues[name]
+        return self.writer.queue(name)
 
     def handle(self, job_id: str) -> JobHandle:
         return JobHandle(self.connection, job_id, tenant=self.tenant)
@@ -436,24 +382,22 @@ class Producer:
         A Redis primary failing over is ridden out (producer.wire.redis_url.retry_unsent); with a Sentinel
         URL the call returns once a replica holds the jobs too (`wait`), else raises ConnectionError.
         """
-        validated = [_validate(request) for request in requests]
-        if self.tenant is not None:
-            validated = [self.tenant.request(request) for request in validated]
-        if job_ids is not None and len(job_ids) != len(validated):
-            raise ValueError(f"{len(job_ids)} job ids for {len(validated)} requests")
-        handles = retry_unsent(lambda: self._submit(validated, job_ids))
+        checked = validated(list(requests), self.tenant)
+        if job_ids is not None and len(job_ids) != len(checked):
+            raise ValueError(f"{len(job_ids)} job ids for {len(checked)} requests")
+        handles = retry_unsent(lambda: self._submit(checked, job_ids))
         wait_replicated(self.connection, [Job.key_for(handle.id) for handle in handles])
         return handles
 
-    def _submit(self, validated: list[GenerationRequest], job_ids: Sequence[str] | None) -> list[JobHandle]:
-        homes = self._homes(validated)
+    def _submit(self, requests: list[GenerationRequest], job_ids: Sequence[str] | None) -> list[JobHandle]:
+        homes = self._homes(requests)
         if job_ids is None:
             # MULTI/EXEC: a job's hash is never on a server without its queue entry (wait_replicated
             # checks the hash after a failover).
             with self.connection.pipeline(transaction=True) as pipe:
-                jobs = [self._enqueue(request, None, pipe, homes) for request in validated]
+                ids = [self.writer.enqueue(request, None, pipe, homes) for request in requests]
                 pipe.execute()
-            return [self.handle(job.id) for job in jobs]
+            return [self.handle(job_id) for job_id in ids]
         keys = [Job.key_for(job_id) for job_id in job_ids]
         with self.connection.pipeline() as pipe:
             while True:
@@ -461,9 +405,9 @@ class Producer:
                     pipe.watch(*keys)
                     exists = [bool(pipe.exists(key)) for key in keys]
                     pipe.multi()
-                    for request, job_id, existing in zip(validated, job_ids, exists, strict=True):
+                    for request, job_id, existing in zip(requests, job_ids, exists, strict=True):
                         if not existing:
-                            self._enqueue(request, job_id, pipe, homes)
+                            self.writer.enqueue(request, job_id, pipe, homes)
                     pipe.execute()
                     break
                 except WatchError as exc:
@@ -474,42 +418,11 @@ class Producer:
 
     def _homes(self, requests: Sequence[GenerationRequest]) -> dict[str, str]:
         """agent id -> the live worker holding its cache hot, for the agents among `requests`."""
-        agents = sorted({r.agent_id for r in requests if r.agent_id is not None}) if self.affinity else []
+        agents = agents_to_place(requests, self.affinity)
         if not agents:
             return {}
-        found = self.connection.mget([agent_home_key(agent) for agent in agents])
-        homes = {agent: as_text(worker) for agent, worker in zip(agents, found, strict=True) if worker}
-        workers = sorted({worker for worker in homes.values() if worker})
+        homes = homes_of(agents, self.connection.mget(home_keys(agents)))
+        workers, keys = alive_keys(homes)
         if not workers:
             return {}
-        beats = self.connection.mget([worker_alive_key(worker) for worker in workers])
-        alive = {worker for worker, beat in zip(workers, beats, strict=True) if beat}
-        return {agent: worker for agent, worker in homes.items() if worker in alive}
-
-    def _enqueue(
-        self, request: GenerationRequest, job_id: str | None, pipe: Any, homes: Mapping[str, str]
-    ) -> Job:
-        retry = Retry(max=request.retries) if request.retries else None
-        who = request.agent_id or "one-off"
-        queue = request.queue or self.queue_name
-        home = homes.get(request.agent_id) if request.agent_id is not None else None
-        if home is not None:
-            queue = worker_queue_name(queue, home)
-        return self.queue(queue).enqueue_call(
-            JOB_FUNCTION,
-            args=(request.job_payload(),),
-            timeout=request.job_timeout or self.default_job_timeout,
-            result_ttl=request.result_ttl,
-            job_id=job_id,
-            at_front=request.at_front,
-            retry=retry,
-            meta={"agent_id": request.agent_id},
-            description=f"kvrq generate ({who}, max_tokens={request.max_tokens})",
-            pipeline=pipe,
-        )
-
-
-def _validate(request: GenerationRequest | Mapping[str, Any]) -> GenerationRequest:
-    if isinstance(request, GenerationRequest):
-        return GenerationRequest.model_validate(request.model_dump())
-    return GenerationRequest.model_validate(dict(request))
+        return live_homes(homes, workers, self.connection.mget(keys))
