@@ -167,7 +167,7 @@ class Answer:
     reused_tokens: int
     # kvrq only, the worker's own view (producer.models.Timings): where a first token's time went
     worker: dict[str, float | None] | None = None
-    # kvrq only: the job's milestones (worker/timeline.py), unix seconds and engine steps
+    # kvrq only: the job's milestones (worker/loop/timeline.py), unix seconds and engine steps
     timeline: dict[str, float] | None = None
 
 

@@ -16,7 +16,7 @@
    `load_prompt_cache` of the history from a file + the new tokens).
 5. Warm join (`--warm-join`): an agent with ~1K / ~2K tokens of history (its cache in the worker's hot
    tier) joins 8 decoding sequences; client submit -> first streamed token, split by the worker's
-   timeline of the job (worker/timeline.py) into enqueue / queue / take / cache load / submit / to step
+   timeline of the job (worker/loop/timeline.py) into enqueue / queue / take / cache load / submit / to step
    / step / publish, in ms and in the batch mates' step time measured in the same round; and the mates'
    step that carried the joiner's suffix, and those after, against their steps before.
 6. Short behind long (`--only long_prefill`): a new agent's cold 200-token turn arriving while another
@@ -297,7 +297,7 @@ def floor(
 MATES = 8
 #: client submit -> in Redis (rq's enqueued_at) -> dequeued by the worker -> parsed, tokenized, started
 #: in rq -> turn taken, cache read -> engine.submit() returned -> the next step began -> that step
-#: returned the first token -> the client read it (worker/timeline.py).
+#: returned the first token -> the client read it (worker/loop/timeline.py).
 JOIN_SPLIT = ("enqueue", "queue", "take", "cache load", "submit", "to step", "step", "publish")
 
 
@@ -415,7 +415,7 @@ def warm_join(
     producer: Any, tokenizer: Any, contexts: tuple[int, ...], repeats: int, settle_s: float = 0.0
 ) -> dict[int, Any]:
     """A warm agent joining MATES decoding sequences: client submit -> first streamed token, and where
-    it went (worker/timeline.py), in the batch mates' step times measured in the same round."""
+    it went (worker/loop/timeline.py), in the batch mates' step times measured in the same round."""
     rows: dict[int, Any] = {}
     for n in contexts:
         runs = []

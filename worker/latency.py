@@ -5,7 +5,7 @@ the job ended and whether it resumed from a saved cache. The metrics endpoint se
 Prometheus histograms (worker/metrics.py); the worker's rq hash carries them summed over the
 labels (LATENCY_FIELD, each heartbeat), from which `kvrq status` prints p50/p95 per worker with
 the interpolation PromQL's `histogram_quantile` uses, so both agree. What one job contributes:
-worker/results.py (`job_observations`). No engine import: `kvrq status` reads this module.
+worker/loop/results.py (`job_observations`). No engine import: `kvrq status` reads this module.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from producer.wire.protocol import shared_queue_of
 from worker.latency import HISTOGRAMS, LatencyHistograms
-from worker.outcomes import COUNTERS
+from worker.loop.outcomes import COUNTERS
 
 if TYPE_CHECKING:
-    from worker.loop import WorkerLoop
+    from worker.loop.worker_loop import WorkerLoop
 
 
 class WorkerCollector:

@@ -11,9 +11,9 @@ import time
 from redis import Redis
 
 from producer.wire.redact import redact_url
-from producer.wire.redis_url import connect
+from producer.wire.redis_url import REDIS_DOWN, connect
 from worker.backoff import Backoff
-from worker.loop import REDIS_DOWN, WorkerLoop
+from worker.loop.worker_loop import WorkerLoop
 from worker.memory import return_large_frees_to_the_os
 from worker.rqexec import KvrqWorker
 from worker.settings import WorkerSettings

@@ -30,8 +30,8 @@ from tests.fleet.sentinel import SentinelTopology, wait_until
 from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
 from worker.agent_turns import AgentTurns
 from worker.confirmed_endings import ConfirmedEndings
-from worker.held import HeldJob
-from worker.outcomes import Failed, Finished, HandedBack
+from worker.loop.held import HeldJob
+from worker.loop.outcomes import Failed, Finished, HandedBack
 
 pytestmark = [pytest.mark.integration]
 

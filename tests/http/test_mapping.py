@@ -420,7 +420,7 @@ def test_a_rerun_repeats_nothing_already_sent() -> None:
     kept = [(e.kind, e.text) for e in passed if e is not None]
     assert kept == [("delta", "Hel"), ("tool_call", ""), ("delta", "lo"), ("tool_call", ""), ("end", "")]
     assert passed[-1] is not None and passed[-1].finish_reason is None
-    # The end event passes as the worker wrote it (its finish reason is the result's: worker/results.py).
+    # The end event passes as the worker wrote it (its finish reason is the result's: worker/loop/results.py).
     ended = Replay()
     ended.fresh(StreamEvent("tool_call", data=CALL))
     assert ended.fresh(StreamEvent("end", finish_reason="tool_calls")) == StreamEvent(

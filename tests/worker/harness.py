@@ -9,7 +9,7 @@ import fakeredis
 from producer.client import Producer
 from tests.producer.fakes import fake_redis
 from tests.worker.fakes import DictStore, FakeEngine
-from worker.loop import WorkerLoop
+from worker.loop.worker_loop import WorkerLoop
 from worker.rqexec import KvrqWorker
 from worker.settings import WorkerSettings
 

@@ -14,7 +14,7 @@ from producer.client import JobFailedError
 from producer.wire.protocol import JOB_FUNCTION, agent_lock_key, worker_alive_key
 from tests.worker.fakes import DictStore, FakeEngine
 from tests.worker.harness import Harness
-from worker.loop import WorkerLoop
+from worker.loop.worker_loop import WorkerLoop
 
 
 def kill(h: Harness, loop: WorkerLoop) -> None:

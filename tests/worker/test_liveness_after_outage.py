@@ -16,8 +16,8 @@ from producer.wire.protocol import worker_alive_key
 from tests.worker.chaos_checks import attempts, crash_reruns
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
-from worker.held import HeldJob
-from worker.outcomes import Outcome
+from worker.loop.held import HeldJob
+from worker.loop.outcomes import Outcome
 
 
 def test_a_worker_back_from_an_outage_does_not_rerun_its_own_jobs() -> None:
@@ -25,7 +25,7 @@ def test_a_worker_back_from_an_outage_does_not_rerun_its_own_jobs() -> None:
     job = h.producer.submit({"prompt": "x", "max_tokens": 20})
     h.run_until(lambda: h.loop.counts["tokens"] >= 3)
     h.redis.delete(worker_alive_key(h.loop.worker.name))  # expired during the outage
-    h.loop.next_crash_check = 0.0  # the check is due when the loop gets Redis back
+    h.loop.upkeep.next_crash_check = 0.0  # the check is due when the loop gets Redis back
     h.run_until(h.all_ended([job]))
     assert job.status() == "finished"
     assert attempts(h.redis, job.id) == 1
@@ -76,7 +76,7 @@ def test_a_worker_cut_off_and_taken_for_dead_registers_again_when_back() -> None
     assert not h.redis.sismember("rq:workers", cut_off.worker.key)
     for _ in range(5):  # back: its loop and beacon run again
         cut_off.beacon.beat()
-        cut_off.next_heartbeat = 0.0
+        cut_off.upkeep.next_heartbeat = 0.0
         cut_off.run_once()
     assert h.redis.sismember("rq:workers", cut_off.worker.key)
 
@@ -90,13 +90,13 @@ def test_a_worker_back_from_an_outage_beats_before_it_writes_an_ending() -> None
     h.run_until(lambda: h.loop.counts["tokens"] >= 1)
     key = worker_alive_key(h.loop.worker.name)
     seen_at_ending: list[int] = []
-    write_ending = h.loop._write_ending
+    write_ending = h.loop.endings.write
 
     def ending(held: HeldJob, outcome: Outcome) -> Outcome:
         seen_at_ending.append(int(h.redis.exists(key)))
         return write_ending(held, outcome)
 
-    h.loop._write_ending = ending  # type: ignore[method-assign]
+    h.loop.endings.write = ending  # type: ignore[method-assign]
     runner = threading.Thread(target=h.loop.run, daemon=True)
     h.redis.delete(key)  # as if it expired during the outage
     h.server.connected = False  # the outage

@@ -18,9 +18,9 @@ from producer.wire.protocol import JOB_FUNCTION, agent_lock_key
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
 from worker import rqexec
-from worker.held import HeldJob
+from worker.loop.held import HeldJob
+from worker.loop.outcomes import Outcome
 from worker.maintenance import clean_queues
-from worker.outcomes import Outcome
 
 
 @pytest.fixture
@@ -274,7 +274,7 @@ def test_a_stopping_worker_holding_nothing_does_not_wait_for_redis(h: Harness) -
     h.loop.run_once()
     h.loop.request_stop()
     h.server.connected = False  # a stack stopped all at once: Redis went first
-    h.loop.next_heartbeat = 0.0  # and a heartbeat is due: the loop has to reach Redis
+    h.loop.upkeep.next_heartbeat = 0.0  # and a heartbeat is due: the loop has to reach Redis
     runner = run_in_thread(h)
     runner.join(timeout=5)
     assert not runner.is_alive(), "nothing held, nothing to write: it stopped without Redis"
@@ -304,7 +304,7 @@ def test_an_ending_a_failover_dropped_is_written_again_once(
     again there, and the loop writes its ending once more, on the "new primary"."""
     handle = h.producer.submit({"prompt": "x", "max_tokens": 3})
     snapshot: dict[bytes, bytes] = {}
-    write_ending = h.loop._write_ending
+    write_ending = h.loop.endings.write
     dropped: list[tuple[HeldJob, Outcome]] = []
 
     def snapshot_then_write(held: HeldJob, outcome: Outcome) -> Outcome:
@@ -321,7 +321,7 @@ def test_an_ending_a_failover_dropped_is_written_again_once(
             h.redis.restore(key, 0, value)
         return [dropped.pop()]
 
-    monkeypatch.setattr(h.loop, "_write_ending", snapshot_then_write)
+    monkeypatch.setattr(h.loop.endings, "write", snapshot_then_write)
     monkeypatch.setattr(h.loop.confirmed, "lost", lost_once)
     h.run_until(
         lambda: bool(snapshot) and not dropped and not h.loop.ending and handle.status() == "finished"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import worker.loop as loop_module
+import worker.loop.admission as loop_module
 from engine.core.blocks import AgentCache
 from tests.worker.fakes import SPEC
 from tests.worker.harness import Harness
@@ -81,7 +81,7 @@ def test_a_read_that_ended_during_the_rest_of_the_intake_is_admitted_before_the_
     h, engine, store = setup
     monkeypatch.setattr(loop_module, "wait", lambda reads, timeout: pytest.fail("nothing to wait for"))
     busy_batch(h, engine, 3)
-    real_steal = h.loop._steal
+    real_steal = h.loop.intake.steal
 
     def reads_end_meanwhile() -> Any:
         for _, read in store.reads:
@@ -89,7 +89,7 @@ def test_a_read_that_ended_during_the_rest_of_the_intake_is_admitted_before_the_
                 read.set_result(read_result())
         return real_steal()
 
-    monkeypatch.setattr(h.loop, "_steal", reads_end_meanwhile)
+    monkeypatch.setattr(h.loop.intake, "steal", reads_end_meanwhile)
     arrived, sent = arrive_during_next_step(h, engine, {"agent_id": "b", "prompt": "hello", "max_tokens": 2})
     h.run_until(lambda: bool(sent) and sent[0].status() == "finished")
     timeline = sent[0].meta()["progress"]["timeline"]

@@ -8,8 +8,8 @@ from typing import Any, cast
 from engine.core.admission import Admission
 from engine.core.params import SamplingParams
 from tests.worker.fakes import FakeEngine
-from worker.held import HeldJob
-from worker.scheduler import Scheduler
+from worker.loop.held import HeldJob
+from worker.loop.scheduler import Scheduler
 
 
 def held(

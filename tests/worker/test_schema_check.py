@@ -11,10 +11,10 @@ import pytest
 from engine.core.params import OutputGrammar
 from engine.core.results import Completion, Usage
 from producer.models import GenerationRequest, GenerationResult
-from worker.held import HeldJob
 from worker.jobs import sampling_of
 from worker.logprobs import LogprobFormatter
-from worker.results import build_result
+from worker.loop.held import HeldJob
+from worker.loop.results import build_result
 from worker.schema_check import schema_check
 
 DATES = {

@@ -15,14 +15,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from producer.wire.redis_url import WriteRefusedError
 from tests.worker.harness import Harness
 from worker.backoff import REFUSED_CAP_S, Backoff
-from worker.loop import WorkerLoop
+from worker.loop.worker_loop import WorkerLoop
 from worker.rqexec import KvrqWorker
 
 
 @pytest.fixture
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
     slept: list[float] = []
-    monkeypatch.setattr("worker.loop.time.sleep", slept.append)
+    monkeypatch.setattr("worker.loop.worker_loop.time.sleep", slept.append)
     yield slept
 
 

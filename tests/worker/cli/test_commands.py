@@ -96,7 +96,7 @@ def test_generate_reports_a_failed_job(h: Harness) -> None:
 def test_status_shows_queues_and_workers(h: Harness) -> None:
     Producer(connection=h.producer.connection).submit({"prompt": "x"})
     h.redis.hset(
-        h.loop.worker.key, mapping=h.loop.worker_fields()
+        h.loop.worker.key, mapping=h.loop.upkeep.worker_fields()
     )  # what start() adds after register_birth()
     out = io.StringIO()
     assert commands.status("redis://fake", None, out=out) == 0

@@ -60,7 +60,7 @@ class HeldJob:
     result: dict[str, Any] | None = None  # the finished job's result, built once
     local_prefix: AgentCache | None = None  # an agent-less job's match in this worker's recent caches
     #: Where the job's time to its first token went: unix times and the worker's engine step count at
-    #: each milestone (worker/timeline.py), published with its first token's progress write.
+    #: each milestone (worker/loop/timeline.py), published with its first token's progress write.
     timeline: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -70,6 +70,15 @@ class HeldJob:
     @property
     def agent_id(self) -> str | None:
         return self.request.agent_id
+
+    def namespace(self, worker_namespace: str) -> str | None:
+        """The tenant of the job's reuse: the worker's, narrowed by the job's own field (never wider)."""
+        own = self.request.namespace
+        return None if own is None else f"{worker_namespace}/{own}"
+
+    def tenant(self, worker_namespace: str) -> str:
+        """The job's namespace in full (the worker's, narrowed by the job's own)."""
+        return self.namespace(worker_namespace) or worker_namespace
 
     @property
     def timeout_s(self) -> float | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from worker.held import HeldJob
+from worker.loop.held import HeldJob
 
 #: dequeued: the worker took it from Redis; held: parsed, tokenized and started in rq; cache_ready: its
 #: agent's turn taken and cache (or shared prefix) read; admitted: engine.submit() returned; first_token:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from engine.core.admission import Admission
-from worker.held import HeldJob
+from worker.loop.held import HeldJob
 
 
 class AdmissionOracle(Protocol):

@@ -8,9 +8,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from producer.models import FinishReason, GenerationResult, Timings, Usage
-from worker.held import HeldJob
 from worker.latency import CacheLabel, Observations
 from worker.logprobs import LogprobFormatter
+from worker.loop.held import HeldJob
 from worker.schema_check import schema_check
 
 if TYPE_CHECKING:

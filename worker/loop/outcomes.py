@@ -1,6 +1,6 @@
 """How a held job ends: one value per kind of ending, each naming its phase, counter and stream event.
 
-The loop's one ending path (`WorkerLoop.end`) takes one of these; everything users see
+The one ending path (`Endings.end`, worker/loop/endings.py) takes one of these; everything users see
 (the job's progress phase in job.meta, the stream's last event, the rq registry it lands
 in, the worker's counters) is derived from it, so the vocabulary is spelled once: rq's
 ("finished", "failed", "canceled", "requeued").
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from engine.core.results import Completion
+    from worker.loop.held import HeldJob
 
 #: Phases published in job.meta["progress"]["phase"]: a held job's life as users see it.
 ProgressPhase = Literal[
@@ -73,5 +74,7 @@ class TakenOver:
 
 
 Outcome = Finished | Failed | Canceled | Stopped | HandedBack | TakenOver
+#: What a phase hands back to the loop: this held job ends so (written by `Endings`).
+Ending = tuple["HeldJob", Outcome]
 
 COUNTERS = ("finished", "failed", "canceled", "stopped", "requeued", "dropped")

@@ -1,0 +1,162 @@
+"""Intake: a dequeued rq job becomes a HeldJob (validated, tokenized, started in rq, in its agent's
+line), or a `Rejected` value the loop hands to the endings; nothing here ends a job itself.
+
+`prepare` is the one way a request becomes prompt tokens, an answer splitter and checked sampling
+(also used by admission, once a continue / fork job's stored conversation is read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+
+from producer.models import GenerationRequest
+from producer.wire.protocol import ERROR_META_KEY, FIRST_ENQUEUED_META_KEY, cancel_key
+from worker import rqexec
+from worker.affinity import Affinity
+from worker.agent_output import OutputSplitter, refuse_grammar_in_reasoning, splitter_for, stop_after_one_call
+from worker.agent_turns import AgentTurns
+from worker.jobs import JobRejected, checked_sampling, request_from_job, sampling_of
+from worker.loop.endings import Rejected
+from worker.loop.held import HeldJob
+from worker.loop.publisher import Publisher
+from worker.loop.scheduler import Scheduler
+from worker.loop.step import StepClock
+from worker.loop.timeline import mark
+from worker.ports import Engine
+from worker.prompts import PromptError, prompt_tokens
+from worker.tool_grammar import forced_tool_calls
+
+if TYPE_CHECKING:
+    from engine.core.params import SamplingParams
+
+
+class Intake:
+    def __init__(
+        self,
+        *,
+        worker: rqexec.KvrqWorker,
+        engine: Engine,
+        scheduler: Scheduler,
+        publisher: Publisher,
+        turns: AgentTurns,
+        affinity: Affinity,
+        clock: StepClock,
+        idle_wait_s: int,
+    ) -> None:
+        self.worker = worker
+        self.connection = worker.connection
+        self.engine = engine
+        self.scheduler = scheduler
+        self.publisher = publisher
+        self.turns = turns
+        self.affinity = affinity
+        self.clock = clock
+        self.idle_wait_s = idle_wait_s  # 0: never block on an empty queue (tests)
+
+    def next_job(self, block: bool) -> tuple[Job, Queue] | None:
+        """The next job of this worker's queues (blocking up to `idle_wait_s` when `block`), or one
+        another worker leaves waiting (affinity)."""
+        return self._dequeue_from(self.worker.queues, self.idle_wait_s if block else None) or self.steal()
+
+    def steal(self) -> tuple[Job, Queue] | None:
+        """With nothing in its own queues, take an affine job another worker leaves waiting."""
+        for queue in self.affinity.waiting_elsewhere():
+            dequeued = self._dequeue_from([queue])
+            if dequeued is not None:
+                return dequeued
+        return None
+
+    def _dequeue_from(self, queues: list[Queue], timeout: int | None = None) -> tuple[Job, Queue] | None:
+        return rqexec.dequeue(self.worker, queues, timeout)
+
+    def take(self, job: Job, queue: Queue) -> HeldJob | Rejected | None:
+        """A dequeued job: None if canceled meanwhile (let go), Rejected if invalid, held otherwise."""
+        dequeued = time.time()
+        if job.get_status(refresh=False) == JobStatus.CANCELED:
+            rqexec.forget_dequeued(job, queue)
+            return None
+        try:
+            request = request_from_job(job)
+            if request.extends_conversation:  # its prompt waits for the stored conversation (admission)
+                return self._hold(job, queue, request, sampling_of(request), [], None, dequeued)
+            tokens, output, sampling = prepare(self.engine, request)
+        except (JobRejected, PromptError) as exc:
+            return Rejected(job, queue, f"{type(exc).__name__}: {exc}")
+        return self._hold(job, queue, request, sampling, tokens, output, dequeued)
+
+    def _hold(
+        self,
+        job: Job,
+        queue: Queue,
+        request: GenerationRequest,
+        sampling: SamplingParams,
+        tokens: list[int],
+        output: OutputSplitter | None,
+        dequeued: float,
+    ) -> HeldJob:
+        """Mark a valid job started, stand it in its agent's line and queue it for admission."""
+        enqueued = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
+        first = _first_enqueued(job, enqueued)
+        job.meta.pop(ERROR_META_KEY, None)  # a job re-queued from the failed registry starts clean
+        execution = rqexec.start_job(self.worker, job, queue)
+        held = HeldJob(
+            job=job,
+            queue=queue,
+            execution=execution,
+            request=request,
+            sampling=stop_after_one_call(sampling, output, request),
+            prompt_tokens=tokens,
+            output=output,
+            enqueued_at=enqueued,
+            first_enqueued_at=first,
+            held_at=time.monotonic(),
+            extending=request.extends_conversation,
+        )
+        self.scheduler.add(held)  # held from here on: an outage below cannot orphan it
+        if held.agent_id is not None:
+            self.turns.join(held.agent_id, held.id, first)
+        held.cancel_requested = bool(self.connection.exists(cancel_key(job.id)))
+        self.publisher.start(job.id, execution.id)
+        self.publisher.progress(job, phase="waiting", worker=self.worker.name, prompt_tokens=len(tokens))
+        held.timeline.update(enqueued=enqueued, dequeued=dequeued, dequeued_step=self.clock.count)
+        mark(held, "held", self.clock.count)
+        if tokens:  # its KV buffers, made while it waits for its turn and cache (engine.reserve)
+            self.engine.reserve(len(tokens), held.sampling.max_tokens)
+        return held
+
+
+def prepare(
+    engine: Engine, request: GenerationRequest
+) -> tuple[list[int], OutputSplitter | None, SamplingParams]:
+    """The request's prompt tokens, answer splitter and checked sampling (JobRejected / PromptError)."""
+    tokenizer = engine.tokenizer
+    tokens = prompt_tokens(tokenizer, request)
+    output = splitter_for(tokenizer, request, tokens)
+    forced = forced_tool_calls(tokenizer, request, output)
+    sampling = _fitted(engine, checked_sampling(request, engine.check, forced), request, len(tokens))
+    refuse_grammar_in_reasoning(sampling, output)
+    return tokens, output, sampling
+
+
+def _fitted(
+    engine: Engine, sampling: SamplingParams, request: GenerationRequest, n_prompt: int
+) -> SamplingParams:
+    """With max_tokens_fit, max_tokens cut to what the context leaves after a prompt that fits (one
+    that alone fills the context is still refused, with both numbers, at admission)."""
+    room = engine.max_context - n_prompt
+    if not request.max_tokens_fit or room <= 0 or sampling.max_tokens <= room:
+        return sampling
+    return dataclasses.replace(sampling, max_tokens=room)
+
+
+def _first_enqueued(job: Job, enqueued: float) -> float:
+    """The job's first enqueue time, kept in its meta across re-runs (junk there is replaced)."""
+    first = job.meta.get(FIRST_ENQUEUED_META_KEY)
+    if isinstance(first, bool) or not isinstance(first, int | float) or not 0 < first <= enqueued:
+        first = job.meta[FIRST_ENQUEUED_META_KEY] = enqueued
+    return float(first)

@@ -1,0 +1,135 @@
+"""The engine step (run, then postprocess): one `engine.step()`, its StepOutput absorbed into each
+row's stream events, and the rows that ended handed back as endings for the loop to write.
+
+The step publishes (buffered; the loop flushes) and decides nothing else: an ending is returned, so
+the one ending path (worker/loop/endings.py) stays the only writer of outcomes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from producer.wire.protocol import ErrorCode
+from worker.logprobs import LogprobFormatter
+from worker.loop.held import HeldJob
+from worker.loop.outcomes import Ending, Failed, Finished
+from worker.loop.publisher import Publisher
+from worker.loop.scheduler import Scheduler
+from worker.loop.timeline import mark
+from worker.ports import Engine
+from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from engine.core.results import StepOutput
+    from worker.agent_output import Piece
+
+log = logging.getLogger("kvrq.worker")
+
+
+@dataclass
+class StepClock:
+    """The engine steps run so far: the unit of a job's timeline (worker/loop/timeline.py)."""
+
+    count: int = 0
+    started: float = 0.0  # unix time the latest step began
+    cpu: tuple[float, float] = (
+        0.0,
+        0.0,
+    )  # CPU seconds (all threads) of the step before the latest, and the latest
+    seconds: float = 0.0  # wall seconds of the latest step
+
+
+class Stepper:
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        scheduler: Scheduler,
+        publisher: Publisher,
+        settings: WorkerSettings,
+        logprob_format: LogprobFormatter,
+        counts: dict[str, int],
+    ) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.publisher = publisher
+        self.settings = settings
+        self.counts = counts
+        self.logprob_format = logprob_format
+        self.clock = StepClock()
+
+    def step(self) -> Iterator[Ending]:
+        """Run one step; yields the rows that ended (lazily: each is ended before the next is looked at)."""
+        clock = self.clock
+        try:
+            clock.count += 1
+            clock.started, cpu = time.time(), time.process_time()
+            output = self.engine.step()
+            clock.cpu = (clock.cpu[1], time.process_time() - cpu)
+            clock.seconds = time.time() - clock.started
+        except Exception:
+            # One forward pass serves the whole batch: a failed step fails every job in it.
+            reason = traceback.format_exc()
+            log.error("engine step failed; failing %d running job(s)", len(self.scheduler.running))
+            for held in list(self.scheduler.running.values()):
+                yield held, Failed(ErrorCode.ENGINE_ERROR, reason, retry=True)
+            return
+        yield from self.absorb(output)
+
+    def absorb(self, output: StepOutput) -> Iterator[Ending]:
+        """Each row's tokens to its stream; the rows that completed (or repeated a tool call) end."""
+        mono = time.monotonic()
+        repeating: list[HeldJob] = []
+        for delta in output.deltas:
+            held = self.scheduler.by_uid(delta.uid)
+            if held is None:
+                continue
+            held.generated += 1
+            if held.generated == 1:
+                held.timeline.update(
+                    step_started=self.clock.started,
+                    step_cpu=self.clock.cpu[1],
+                    step_before_cpu=self.clock.cpu[0],
+                )
+                mark(held, "first_token", self.clock.count)
+            text = delta.text if held.output is None else self._split(held, held.output.feed(delta.text))
+            if held.output is not None and held.output.repeated_call:
+                repeating.append(held)  # only rows that wrote this step can have just repeated a call
+            self.publisher.delta(held.id, text, delta.token)
+            if delta.logprobs is not None:
+                entry = self.logprob_format(delta.token, delta.logprobs)
+                self.publisher.data(held.id, "logprobs", entry.model_dump(mode="json"))
+            if mono - held.progress_at >= self.settings.progress_interval:
+                held.progress_at = mono
+                timeline = {"timeline": held.timeline} if held.generated == 1 else {}
+                self.publisher.progress(held.job, generated_tokens=held.generated, **timeline)
+        self.counts["tokens"] += len(output.deltas)
+        completions = list(output.completions)
+        for held in repeating:
+            assert held.output is not None and held.uid is not None
+            held.output.repeated_call = False  # asked once: its completion comes now or with a step
+            if (ended := self.engine.finish(held.uid)) is not None:
+                completions.append(ended)
+        for completion in completions:
+            held = self.scheduler.by_uid(completion.uid)
+            if held is not None:
+                if held.output is not None and (rest := self._split(held, held.output.finish())):
+                    self.publisher.delta(held.id, rest, None)
+                yield held, Finished(completion)
+
+    def _split(self, held: HeldJob, pieces: list[Piece]) -> str:
+        """Publish the reasoning and tool calls among `pieces` as their own events; the answer text."""
+        text = []
+        for piece in pieces:
+            if piece.kind == "reasoning":
+                self.publisher.reasoning(held.id, piece.text)
+            elif piece.call is not None:
+                self.publisher.data(held.id, "tool_call", piece.call.model_dump(mode="json"))
+            else:
+                text.append(piece.text)
+        return "".join(text)

@@ -1,0 +1,154 @@
+"""The loop's periodic duties toward rq and the fleet: heartbeats (held jobs, agent locks, the worker's
+hash), crash re-runs of dead workers' jobs, rq's registry cleanup and rq's scheduler
+(worker/scheduled.py: why not a forked process). A heartbeat returns the held jobs found taken over."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from rq.job import JobStatus
+
+from producer.wire.protocol import (
+    CACHE_HITS_FIELD,
+    CACHE_LOOKUPS_FIELD,
+    CAPACITY_FIELD,
+    CONTEXT_FIELD,
+    FREE_BLOCKS_FIELD,
+    HOT_AGENTS_FIELD,
+    HOT_HITS_FIELD,
+    LATENCY_FIELD,
+    MAX_BATCH_FIELD,
+    MEMORY_FIELD,
+    MODEL_FIELD,
+    POOL_BLOCKS_FIELD,
+    PROMPT_TOKENS_FIELD,
+    REUSED_TOKENS_FIELD,
+    RUNNING_FIELD,
+    WAITING_FIELD,
+)
+from worker import rqexec
+from worker.agent_turns import AgentTurns
+from worker.latency import LatencyHistograms
+from worker.liveness import LivenessBeacon
+from worker.loop.outcomes import Ending, TakenOver
+from worker.loop.scheduler import Scheduler
+from worker.maintenance import clean_queues, rerun_crashed
+from worker.memory import memory_field
+from worker.ports import Engine, Store
+from worker.scheduled import ScheduledJobs
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("kvrq.worker")
+
+
+class Upkeep:
+    def __init__(
+        self,
+        *,
+        worker: rqexec.KvrqWorker,
+        engine: Engine,
+        store: Store | None,
+        scheduler: Scheduler,
+        turns: AgentTurns,
+        beacon: LivenessBeacon,
+        settings: WorkerSettings,
+        model_name: str,
+        latency: LatencyHistograms,
+        counts: dict[str, int],
+    ) -> None:
+        self.worker = worker
+        self.connection = worker.connection
+        self.engine = engine
+        self.store = store
+        self.scheduler = scheduler
+        self.turns = turns
+        self.beacon = beacon
+        self.settings = settings
+        self.model_name = model_name
+        self.latency = latency
+        self.counts = counts
+        names = [q.name for q in worker.queues]
+        self.scheduled = ScheduledJobs(self.connection, names, worker.name, settings.scheduler_interval)
+        self.next_heartbeat = 0.0
+        self.next_crash_check = 0.0
+        self.next_maintenance = 0.0
+
+    def due(self, draining: bool) -> Iterator[Ending]:
+        """Run the duties that are due; yields the held jobs a heartbeat found taken over."""
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            yield from self.heartbeat()
+        if not draining and now >= self.next_crash_check:
+            self._check_crashes()
+        if not draining and now >= self.next_maintenance:
+            self._maintenance()
+        if self.scheduled.due(now):
+            self.scheduled.run(now)  # while draining too: due jobs go to the queue for the others
+
+    def after_outage(self, delay: float) -> None:
+        """Every liveness key may have expired meanwhile: both checks that re-run dead workers' jobs (the
+        crash check, and maintenance's) wait until the peers have beaten again."""
+        peers_beat = time.monotonic() + delay + self.settings.liveness_ttl
+        self.next_crash_check = peers_beat
+        self.next_maintenance = max(self.next_maintenance, peers_beat)
+
+    def heartbeat(self) -> Iterator[Ending]:
+        if rqexec.register_again(self.worker):
+            log.warning(
+                "worker %s had been taken for dead (cut off from Redis): registered again", self.worker.name
+            )
+        held = self.scheduler.all()
+        signals = rqexec.heartbeat(self.worker, [(h.job, h.execution) for h in held], self.worker_fields())
+        for agent in self.turns.refresh():
+            log.warning("agent %s: lock taken over elsewhere while this worker held it", agent)
+        for h in held:
+            sig = signals[h.id]
+            if sig.cancel_requested or sig.status == JobStatus.CANCELED:
+                h.cancel_requested = True
+            elif not sig.still_ours:
+                yield h, TakenOver(sig.status)
+        self.next_heartbeat = time.monotonic() + self.settings.heartbeat_interval
+
+    def worker_fields(self) -> dict[str, str | int]:
+        """What kvrq adds to its rq worker hash: capacity for producers, load for `kvrq status`."""
+        store_stats = self.store.stats() if self.store is not None else {}
+        return {
+            CAPACITY_FIELD: self.settings.held_limit,
+            MODEL_FIELD: self.model_name,
+            CONTEXT_FIELD: self.engine.max_context,
+            MAX_BATCH_FIELD: self.settings.max_batch,
+            POOL_BLOCKS_FIELD: self.engine.pool.total_blocks,
+            FREE_BLOCKS_FIELD: self.engine.pool.free_blocks,
+            RUNNING_FIELD: len(self.scheduler.running),
+            WAITING_FIELD: len(self.scheduler.waiting),
+            PROMPT_TOKENS_FIELD: self.counts["prompt_tokens"],
+            REUSED_TOKENS_FIELD: self.counts["reused_tokens"],
+            **_cache_fields(store_stats),
+            MEMORY_FIELD: memory_field(self.engine.memory(), store_stats),
+            LATENCY_FIELD: self.latency.field(),
+        }
+
+    def _check_crashes(self) -> None:
+        names = [q.name for q in self.worker.queues]
+        self.beacon.beat()  # alive by definition: a key expired in an outage must not re-run our jobs
+        report = rerun_crashed(self.connection, names, crash_reruns=self.settings.crash_reruns)
+        self.counts["crash_reruns"] += sum(len(ids) for ids in report.rerun.values())
+        self.next_crash_check = time.monotonic() + self.settings.crash_check_interval
+
+    def _maintenance(self) -> None:
+        names = [q.name for q in self.worker.queues]
+        clean_queues(self.connection, names, crash_reruns=self.settings.crash_reruns)
+        self.next_maintenance = time.monotonic() + self.settings.maintenance_interval
+        log.debug("held %d, counts %s", len(self.scheduler), self.counts)
+
+
+def _cache_fields(stats: dict[str, int]) -> dict[str, int]:
+    hot_hits, hot_misses = stats.get("hot_hits", 0), stats.get("hot_misses", 0)
+    return {
+        HOT_AGENTS_FIELD: stats.get("hot_entries", 0),
+        CACHE_LOOKUPS_FIELD: hot_hits + hot_misses,
+        HOT_HITS_FIELD: hot_hits,
+        CACHE_HITS_FIELD: hot_hits + stats.get("hits", 0),
+    }
