@@ -143,11 +143,7 @@ def connect(url: str, **pool_options: Any) -> Redis:
 def _client(url: str, pool_options: dict[str, Any]) -> Redis:
     if is_sentinel_url(url):
         target = parse_sentinel_url(url)
-        options = {**SENTINEL_SOCKET_DEFAULTS, **pool_options, **target.options}
-        sentinel_options = {k: v for k, v in options.items() if k.startswith(_SHARED_PREFIXES)}
-        sentinel_options.update(target.sentinel_options)
-        if target.tls:
-            sentinel_options["ssl"] = True
+        options, sentinel_options = sentinel_options_of(target, pool_options)
         manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
         client = manager.master_for(
             target.master,
@@ -172,6 +168,16 @@ def _client(url: str, pool_options: dict[str, Any]) -> Redis:
     if connection_class in plain and "connection_class" not in options:
         options["connection_class"] = plain[connection_class]
     return Redis(connection_pool=ConnectionPool.from_url(url, **options))
+
+
+def sentinel_options_of(target: SentinelTarget, pool_options: dict[str, Any]) -> tuple[dict, dict]:
+    """(the primary's connection options, the sentinels' own) for a Sentinel URL's client."""
+    options = {**SENTINEL_SOCKET_DEFAULTS, **pool_options, **target.options}
+    sentinel_options = {k: v for k, v in options.items() if k.startswith(_SHARED_PREFIXES)}
+    sentinel_options.update(target.sentinel_options)
+    if target.tls:
+        sentinel_options["ssl"] = True
+    return options, sentinel_options
 
 
 class WriteRefusedError(RedisConnectionError):
@@ -264,9 +270,15 @@ def wait_replicated(connection: Redis, keys: Sequence[str]) -> None:
         return confirmed, int(present)
 
     confirmed, present = retry_unsent(confirm)
-    if present < len(keys):
+    check_replicated(len(keys), present, confirmed, replicas, timeout_ms)
+
+
+def check_replicated(written: int, present: int, confirmed: int, replicas: int, timeout_ms: int) -> None:
+    """NotReplicatedError unless all `written` keys are still there and `replicas` replicas confirmed them
+    (the verdict of wait_replicated, shared with its asyncio twin in redis_url_aio.py)."""
+    if present < written:
         raise NotReplicatedError(
-            f"{len(keys) - present} of {len(keys)} written key(s) are gone: the primary failed over "
+            f"{written - present} of {written} written key(s) are gone: the primary failed over "
             "before they reached a replica (resubmit them)"
         )
     if confirmed < replicas:

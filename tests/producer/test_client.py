@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -32,7 +33,7 @@ from tests.producer.fakes import fail_like_rq, fake_redis
 
 
 @pytest.fixture
-def producer() -> Producer:
+def sync_producer() -> Producer:
     return Producer(connection=fake_redis())
 
 
@@ -122,10 +123,11 @@ def test_result_returns_the_workers_result(producer: Producer) -> None:
 
 
 def test_a_result_written_just_after_the_status_read_wakes_the_wait_at_once(
-    producer: Producer, monkeypatch: pytest.MonkeyPatch
+    sync_producer: Producer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The worker finishes the job between result()'s status read and its wait: the wait must not take
     that result for an old one and sleep a whole poll (a 1 s tail kvrq serve's benchmark showed)."""
+    producer = sync_producer
     handle = producer.submit({"prompt": "a"})
     payload = {
         "job_id": handle.id,
@@ -242,3 +244,77 @@ def test_a_failed_stream_raises_with_the_jobs_code(producer: Producer) -> None:
     with pytest.raises(JobFailedError) as failed:
         list(handle.stream(timeout=2))
     assert failed.value.code == ErrorCode.ENGINE_ERROR
+
+
+def test_both_producers_write_the_same_redis_state_as_rq() -> None:
+    """AsyncProducer enqueues through rq's own enqueue_call, recorded and sent on redis.asyncio: the
+    job hash, queue entry and queue registration are rq's, field for field (times aside)."""
+    import asyncio
+
+    from tests.producer.clients import async_producer
+
+    request = {"agent_id": "a1", "prompt": "hi", "max_tokens": 4, "retries": 2, "result_ttl": 60}
+    blocking, other = fake_redis(), fake_redis()
+    Producer(connection=blocking).submit(request, job_id="j1")
+    Producer(connection=blocking).submit(request)
+    producer = async_producer(other)
+    asyncio.run(producer.submit(request, job_id="j1"))
+    asyncio.run(producer.submit(request))
+
+    def state(connection: Any) -> dict[str, Any]:
+        fields = connection.hgetall(Job.key_for("j1"))
+        for volatile in (b"created_at", b"enqueued_at"):
+            assert fields.pop(volatile)
+        queued = connection.lrange("rq:queue:kvrq", 0, -1)
+        return {
+            "job": fields,
+            "queue": len(queued),
+            "first": queued[0],
+            "queues": connection.smembers("rq:queues"),
+        }
+
+    assert state(blocking) == state(other)
+    job = Job.fetch("j1", connection=other, serializer=JSONSerializer)  # rq reads it as its own
+    assert job.args[0]["prompt"] == "hi" and job.retries_left == 2 and job.meta == {"agent_id": "a1"}
+
+
+def test_an_async_result_written_just_after_the_status_read_wakes_the_wait_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """test_a_result_written_just_after_the_status_read_wakes_the_wait_at_once, for AsyncJobHandle."""
+    import asyncio
+
+    from producer.aio import AsyncJobHandle
+    from tests.producer.clients import async_producer
+
+    blocking = fake_redis()
+    producer = async_producer(blocking)
+    sync = Producer(connection=blocking)
+    payload = {
+        "job_id": "",
+        "agent_id": None,
+        "text": "Paris.",
+        "token_ids": [1],
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 1, "reused_tokens": 0, "prefilled_tokens": 1, "generated_tokens": 1},
+        "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.1, "total_s": 0.2},
+    }
+    outcome = AsyncJobHandle._outcome
+    reads: list[object] = []
+
+    async def finished_right_after(self: AsyncJobHandle) -> object:
+        found = await outcome(self)
+        if not reads:
+            _finish_like_a_worker(sync, self.id, {**payload, "job_id": self.id})
+        reads.append(found)
+        return found
+
+    monkeypatch.setattr(AsyncJobHandle, "_outcome", finished_right_after)
+
+    async def run() -> float:
+        handle = await producer.submit({"prompt": "a"})
+        started = time.monotonic()
+        assert (await handle.result(timeout=5)).text == "Paris."
+        return time.monotonic() - started
+
+    assert asyncio.run(run()) < 0.5 and reads[0] is None

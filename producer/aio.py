@@ -1,0 +1,401 @@
+"""The asyncio producer: AsyncProducer and AsyncJobHandle, for web apps (FastAPI, Starlette, aiohttp)
+and `kvrq serve`. Same jobs, same guarantees as the blocking client (client.py), no thread per wait.
+
+What both clients decide is decided once: what an enqueue writes (enqueue.py: rq's own writes, recorded
+and sent here on a redis.asyncio pipeline), what a job's state means (outcome.py: result, failure, the
+stream's end, the re-run skipping of `stream()`), how a Redis URL connects and rides out a failover
+(wire/redis_url_aio.py). Only the waiting is written twice, once blocking and once awaiting.
+
+rq is synchronous; the one call that goes through it here is `cancel()` (rq's own cancel, which reads
+and writes several of rq's keys): it runs on a thread with a blocking client of the same URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import WatchError
+from rq.job import Job
+from rq.results import Result
+from rq.serializers import resolve_serializer
+
+from producer import liveness, outcome
+from producer.client import JobHandle
+from producer.conversation import read_conversation
+from producer.enqueue import (
+    DEFAULT_JOB_TIMEOUT,
+    JobWriter,
+    NoConnection,
+    Recorder,
+    agents_to_place,
+    alive_keys,
+    home_keys,
+    homes_of,
+    live_homes,
+    validated,
+)
+from producer.errors import JobFailedError, JobNotFoundError, ResultTimeoutError
+from producer.models import GenerationRequest, GenerationResult
+from producer.outcome import TERMINAL_STATUSES, Replay
+from producer.tenants import Tenant, tenant_of
+from producer.wire.protocol import DEFAULT_QUEUE, SERIALIZER, StreamEvent, stream_key
+from producer.wire.redis_url import REDIS_DOWN, UNSENT, connect
+from producer.wire.redis_url_aio import connect_async, retry_unsent_async, wait_replicated_async
+
+logger = logging.getLogger("kvrq.producer")
+
+POLL_S = 1.0  # as client.POLL_S: a result or an event wakes a wait at once; the poll catches the rest
+STREAM_FAILURE_WAIT_S = 2.0
+OnWait = Callable[[], object]
+
+
+class AsyncJobHandle:
+    """A submitted job, read with redis.asyncio: JobHandle's methods, awaited.
+
+    `blocking`: a blocking client of the same Redis, for `cancel()` (rq's) and the waits' "no worker
+    listens" notice; without one, `cancel()` raises RuntimeError and no notice is logged.
+    """
+
+    def __init__(
+        self,
+        connection: AsyncRedis,
+        job_id: str,
+        *,
+        tenant: Tenant | None = None,
+        blocking: Redis | None = None,
+    ) -> None:
+        self.connection = connection
+        self.id = job_id
+        self.tenant = tenant
+        self.blocking = blocking
+
+    def __repr__(self) -> str:
+        return f"AsyncJobHandle({self.id!r})"
+
+    def sync(self) -> JobHandle:
+        """The blocking handle of the same job (needs `blocking`)."""
+        if self.blocking is None:
+            raise RuntimeError("this AsyncJobHandle has no blocking client (give AsyncProducer a redis_url)")
+        return JobHandle(self.blocking, self.id, tenant=self.tenant)
+
+    async def _call(self, command: Callable[[], Any]) -> Any:
+        """One read, sent again while Redis is away (failover), as the blocking handle does."""
+        return await retry_unsent_async(command, errors=REDIS_DOWN)
+
+    async def status(self) -> str:
+        """rq's status string: queued, started, finished, failed, canceled, ..."""
+        status = outcome.status_text(
+            await self._call(lambda: self.connection.hget(Job.key_for(self.id), "status"))
+        )
+        if status is None:
+            raise JobNotFoundError(f"no job {self.id} in Redis")
+        return status
+
+    async def meta(self) -> dict[str, Any]:
+        """rq's job.meta; the worker keeps `progress` (phase, tokens so far) there."""
+        raw = await self._call(lambda: self.connection.hget(Job.key_for(self.id), "meta"))
+        if raw is None and not await self._call(lambda: self.connection.exists(Job.key_for(self.id))):
+            raise JobNotFoundError(f"no job {self.id} in Redis")
+        return dict(resolve_serializer(SERIALIZER).loads(raw)) if raw else {}
+
+    async def result(
+        self, timeout: float | None = None, *, on_wait: OnWait | None = None
+    ) -> GenerationResult:
+        """JobHandle.result, awaited: the result, or JobFailedError, JobCanceledError, ResultTimeoutError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = on_wait or _UnheardJobWarning(self)
+        results_key = Result.get_key(self.id)
+        while True:
+            # The last entry before the status, as JobHandle.result (a later result wakes the wait).
+            latest = await self._call(lambda: self.connection.xrevrange(results_key, "+", "-", count=1))
+            last_id = latest[0][0] if latest else "0-0"
+            ended = await self._outcome()
+            if ended is not None:
+                return ended
+            block = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if block <= 0:
+                raise await self._timed_out(timeout)
+            await _called(waiting)
+            await self._read(results_key, last_id, block=block, count=1)
+
+    async def _outcome(self) -> GenerationResult | None:
+        status = await self.status()
+        latest, meta = None, None
+        if status in outcome.ENDED_STATUSES:
+
+            async def read() -> list[Any]:
+                async with self.connection.pipeline(transaction=False) as pipe:
+                    pipe.xrevrange(Result.get_key(self.id), "+", "-", count=1)
+                    pipe.hget(Job.key_for(self.id), "meta")
+                    return list(await pipe.execute())
+
+            reply, meta = await self._call(read)
+            latest = outcome.latest_result(self.id, reply)
+        return outcome.outcome(self.id, status, latest, meta, self.tenant)
+
+    async def _read(
+        self, key: str, last_id: bytes | str, *, block: float | None, count: int
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        block_ms = None if block is None else max(1, int(block * 1000))
+        response = await self._call(
+            lambda: self.connection.xread({key: last_id}, block=block_ms, count=count)
+        )
+        return list(response[0][1]) if response else []
+
+    async def cancel(self) -> bool:
+        """JobHandle.cancel (rq's own cancel, on a thread): False if the job had already ended."""
+        return await asyncio.to_thread(self.sync().cancel)
+
+    async def _timed_out(self, timeout: float | None) -> ResultTimeoutError:
+        where = (
+            await asyncio.to_thread(liveness.job_wait_detail, self.blocking, self.id)
+            if self.blocking is not None
+            else "still not ended"
+        )
+        return ResultTimeoutError(f"job {self.id} did not end within {timeout} s: {where}")
+
+    async def events(
+        self, timeout: float | None = None, *, on_wait: OnWait | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """JobHandle.events, awaited: every event of the job's stream, ending with an end or error event."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = on_wait or _UnheardJobWarning(self)
+        key = stream_key(self.id)
+        last_id: bytes | str = "0-0"
+        seen_any = False
+        while True:
+            block = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if block <= 0:
+                raise await self._timed_out(timeout)
+            entries = await self._read(key, last_id, block=block, count=1024)
+            if entries:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    seen_any = True
+                    event = outcome.seen(StreamEvent.from_fields(fields), self.tenant)
+                    yield event
+                    if event.final:
+                        return
+                continue
+            ending = await self._ending_without_stream(key, last_id, seen_any)
+            if ending is not None:
+                for event in ending:
+                    yield event
+                return
+            await _called(waiting)
+
+    async def _ending_without_stream(
+        self, key: str, last_id: bytes | str, seen_any: bool
+    ) -> list[StreamEvent] | None:
+        """JobHandle._ending_without_stream: the events that close a stream without its end marker."""
+        try:
+            status = await self.status()
+        except JobNotFoundError:
+            return [StreamEvent("error", error=f"no job {self.id} in Redis")]
+        if status not in TERMINAL_STATUSES:
+            return None
+        rest = [
+            outcome.seen(StreamEvent.from_fields(fields), self.tenant)
+            for _, fields in await self._read(key, last_id, block=None, count=100_000)
+        ]
+        ended: GenerationResult | JobFailedError | None = None
+        if outcome.needs_result(status, rest):
+            try:
+                ended = await self.result(timeout=0.001)
+            except JobFailedError as exc:
+                ended = exc
+        return outcome.closing_events(status, rest, ended, seen_any)
+
+    async def fresh_events(
+        self, timeout: float | None = None, *, on_wait: OnWait | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """`events()` with what a re-run repeats left out (outcome.Replay), as `stream()` reads them."""
+        replay = Replay()
+        async for event in self.events(timeout, on_wait=on_wait):
+            fresh = replay.fresh(event)
+            if fresh is not None:
+                yield fresh
+
+    async def stream(
+        self, timeout: float | None = None, *, on_wait: OnWait | None = None
+    ) -> AsyncIterator[str]:
+        """JobHandle.stream, awaited: text deltas; raises JobFailedError if the job fails."""
+        async for event in self.fresh_events(timeout, on_wait=on_wait):
+            if event.kind == "delta" and event.text:
+                yield event.text
+            elif event.kind == "error":
+                raise await self.stream_failure(event.error or "failed")
+
+    async def stream_failure(self, reason: str, wait_s: float = STREAM_FAILURE_WAIT_S) -> JobFailedError:
+        """The error a failed stream ends with, with the code the worker recorded (it writes the stream's
+        error event just before rq marks the job failed: waited for up to `wait_s`)."""
+        try:
+            await self.result(timeout=wait_s, on_wait=_quiet)
+        except JobFailedError as exc:
+            return exc
+        except (ResultTimeoutError, JobNotFoundError):
+            pass
+        return JobFailedError(self.id, reason)
+
+
+def _quiet() -> None:
+    """An `on_wait` that does nothing (no notice)."""
+
+
+async def _called(on_wait: OnWait) -> None:
+    """`on_wait()`, awaited when it is a coroutine function's."""
+    returned = on_wait()
+    if inspect.isawaitable(returned):
+        await returned
+
+
+class _UnheardJobWarning:
+    """client._UnheardJobWarning for the asyncio handle: the liveness read (rq's) runs on a thread."""
+
+    def __init__(self, handle: AsyncJobHandle) -> None:
+        self.handle = handle
+        self.started = time.monotonic()
+        self.warned = False
+
+    async def __call__(self) -> None:
+        if self.warned or self.handle.blocking is None:
+            return
+        if time.monotonic() - self.started < liveness.FIRST_NOTICE_S:
+            return
+        queue = await asyncio.to_thread(liveness.unheard_queue, self.handle.blocking, self.handle.id)
+        if queue is not None:
+            self.warned = True
+            logger.warning("job %s waits: %s", self.handle.id, liveness.no_worker_line(queue))
+
+
+class AsyncProducer:
+    """Producer, awaited: enqueue kvrq jobs into an rq queue and follow them with AsyncJobHandle.
+
+    `AsyncProducer(redis_url)` opens a redis.asyncio client (and a blocking one, used only by `cancel()`
+    and the notices); or give `connection` (redis.asyncio) and optionally `blocking`. Options as for
+    Producer: `queue`, `default_job_timeout`, `affinity`, `tenant`.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        queue: str = DEFAULT_QUEUE,
+        *,
+        connection: AsyncRedis | None = None,
+        blocking: Redis | None = None,
+        default_job_timeout: int = DEFAULT_JOB_TIMEOUT,
+        affinity: bool = True,
+        tenant: str | Tenant | None = None,
+    ) -> None:
+        if connection is None:
+            if redis_url is None:
+                raise ValueError("give redis_url or connection")
+            connection = connect_async(redis_url)
+            blocking = blocking or connect(redis_url)
+        self.connection = connection
+        self.blocking = blocking
+        self.queue_name = queue
+        self.affinity = affinity
+        self.tenant = tenant_of(tenant)
+        self.writer = JobWriter(NoConnection(), queue, default_job_timeout, recording=True)
+
+    async def aclose(self) -> None:
+        await self.connection.aclose()
+        if self.blocking is not None:
+            self.blocking.close()
+
+    async def __aenter__(self) -> AsyncProducer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def handle(self, job_id: str) -> AsyncJobHandle:
+        return AsyncJobHandle(self.connection, job_id, tenant=self.tenant, blocking=self.blocking)
+
+    async def queue_length(self, name: str | None = None) -> int:
+        """Jobs waiting in a queue (rq's Queue.count)."""
+        key = self.writer.queue(name).key
+        return int(await retry_unsent_async(lambda: self.connection.llen(key), errors=REDIS_DOWN))
+
+    async def conversation(self, agent_id: str) -> list[dict[str, Any]] | None:
+        """Producer.conversation (read on a thread with the blocking client)."""
+        if self.blocking is None:
+            raise RuntimeError("conversation() needs a blocking client (give AsyncProducer a redis_url)")
+        if self.tenant is not None:
+            agent_id = self.tenant.agent(agent_id)
+        record = await asyncio.to_thread(read_conversation, self.blocking, agent_id)
+        return None if record is None else record.message_dicts()
+
+    async def submit(
+        self, request: GenerationRequest | Mapping[str, Any], *, job_id: str | None = None
+    ) -> AsyncJobHandle:
+        """Producer.submit, awaited."""
+        return (await self.submit_many([request], job_ids=None if job_id is None else [job_id]))[0]
+
+    async def submit_many(
+        self,
+        requests: Iterable[GenerationRequest | Mapping[str, Any]],
+        *,
+        job_ids: Sequence[str] | None = None,
+    ) -> list[AsyncJobHandle]:
+        """Producer.submit_many, awaited: all validated first, then one MULTI/EXEC; with `job_ids`,
+        idempotent; a failover is ridden out and a Sentinel URL's `wait` honoured, as there."""
+        checked = validated(list(requests), self.tenant)
+        if job_ids is not None and len(job_ids) != len(checked):
+            raise ValueError(f"{len(job_ids)} job ids for {len(checked)} requests")
+        handles = await retry_unsent_async(lambda: self._submit(checked, job_ids))
+        await wait_replicated_async(self.connection, [Job.key_for(handle.id) for handle in handles])
+        return handles
+
+    async def _submit(
+        self, requests: list[GenerationRequest], job_ids: Sequence[str] | None
+    ) -> list[AsyncJobHandle]:
+        homes = await self._homes(requests)
+        if job_ids is None:
+            recorder = Recorder()
+            ids = [self.writer.enqueue(request, None, recorder, homes) for request in requests]
+            async with self.connection.pipeline(transaction=True) as pipe:
+                recorder.replay(pipe)
+                await pipe.execute()
+            return [self.handle(job_id) for job_id in ids]
+        keys = [Job.key_for(job_id) for job_id in job_ids]
+        async with self.connection.pipeline() as pipe:
+            while True:
+                try:
+                    await pipe.watch(*keys)
+                    exists = [bool(await pipe.exists(key)) for key in keys]
+                    recorder = Recorder()
+                    for request, job_id, existing in zip(requests, job_ids, exists, strict=True):
+                        if not existing:
+                            self.writer.enqueue(request, job_id, recorder, homes)
+                    pipe.multi()
+                    recorder.replay(pipe)
+                    await pipe.execute()
+                    break
+                except WatchError as exc:
+                    if isinstance(exc.__context__, UNSENT):
+                        raise exc.__context__ from None
+                    continue
+        return [self.handle(job_id) for job_id in job_ids]
+
+    async def _homes(self, requests: Sequence[GenerationRequest]) -> dict[str, str]:
+        """Producer._homes, awaited: agent id -> the live worker holding its cache hot."""
+        agents = agents_to_place(requests, self.affinity)
+        if not agents:
+            return {}
+        homes = homes_of(agents, await self.connection.mget(home_keys(agents)))
+        workers, keys = alive_keys(homes)
+        if not workers:
+            return {}
+        return live_homes(homes, workers, await self.connection.mget(keys))
+
+
+__all__ = ["AsyncJobHandle", "AsyncProducer"]

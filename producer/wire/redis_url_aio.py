@@ -1,0 +1,173 @@
+"""The Redis URL rule (redis_url.py) for asyncio clients: `connect_async(url)` takes the same URL forms,
+and its connections turn the same failover replies into the same UNSENT errors, so an async producer
+rides out a failover exactly as the blocking one does (`retry_unsent_async`, `wait_replicated_async`).
+
+Only the I/O differs from redis_url.py: the URL parsing, the errors, the budget and the backoff are
+that module's, not copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection, ConnectionPool, SSLConnection, parse_url
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from producer.wire.redact import redact_url
+from producer.wire.redis_url import (
+    FAILOVER_BUDGET_S,
+    REPLICATION_MARK_KEY,
+    UNSENT,
+    PrimaryUnreachableError,
+    RedisURLError,
+    WriteRefusedError,
+    check_replicated,
+    is_failover_reply,
+    is_sentinel_url,
+    log,
+    parse_sentinel_url,
+    sentinel_options_of,
+)
+
+T = TypeVar("T")
+
+
+def connect_async(url: str, **pool_options: Any) -> Redis:
+    """An asyncio client for `url` (the forms of redis_url.connect); a malformed URL is a RedisURLError."""
+    try:
+        return _client(url, pool_options)
+    except RedisURLError:
+        raise
+    except ValueError as exc:
+        raise RedisURLError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
+
+
+def _client(url: str, pool_options: dict[str, Any]) -> Redis:
+    if is_sentinel_url(url):
+        target = parse_sentinel_url(url)
+        options, sentinel_options = sentinel_options_of(target, pool_options)
+        manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
+        client: Redis = manager.master_for(
+            target.master,
+            connection_pool_class=AsyncFailoverSentinelPool,
+            ssl=target.tls,
+            wait_replicas=target.wait,
+            wait_timeout_ms=target.wait_timeout_ms,
+            **options,
+        )
+        return client
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise RedisURLError(
+            f"unknown Redis URL {redact_url(url)!r}: use redis://, rediss://, unix:// or "
+            "redis+sentinel://HOST:PORT,.../MASTER"
+        )
+    if not url.startswith("unix://") and urlsplit(url).port == 0:
+        raise ValueError("port 0 (redis-py would silently use 6379)")
+    kwargs = parse_url(url)
+    plain = {Connection: AsyncFailoverConnection, SSLConnection: AsyncFailoverSSLConnection}
+    connection_class = kwargs.get("connection_class", Connection)
+    options = {**pool_options}
+    if connection_class in plain and "connection_class" not in options:
+        options["connection_class"] = plain[connection_class]
+    return Redis(connection_pool=ConnectionPool.from_url(url, **options))
+
+
+class _AsyncFailoverAware:
+    """redis_url._FailoverAware for asyncio connections: failover replies and failed connects are UNSENT."""
+
+    async def connect(self) -> None:
+        try:
+            await super().connect()  # type: ignore[misc]
+        except (AuthenticationError, AuthorizationError):
+            raise
+        except RedisConnectionError as exc:
+            raise PrimaryUnreachableError(str(exc)) from exc
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except ResponseError as exc:
+            if not is_failover_reply(exc):
+                raise
+            await self.disconnect()  # type: ignore[attr-defined]
+            raise WriteRefusedError(f"Redis primary refused a write ({exc}): reconnecting") from exc
+        except RedisConnectionError as exc:
+            if str(exc) != "The previous master is now a slave":
+                raise
+            raise WriteRefusedError(f"Redis primary was demoted ({exc}): reconnecting") from exc
+
+
+class AsyncFailoverConnection(_AsyncFailoverAware, Connection):
+    pass
+
+
+class AsyncFailoverSSLConnection(_AsyncFailoverAware, SSLConnection):
+    pass
+
+
+class AsyncFailoverSentinelConnection(_AsyncFailoverAware, SentinelManagedConnection):
+    """Asks the sentinels on every connect (redis-py's asyncio one does), so no re-resolve mixin."""
+
+
+class AsyncFailoverSSLSentinelConnection(_AsyncFailoverAware, SentinelManagedConnection, SSLConnection):
+    pass
+
+
+class AsyncFailoverSentinelPool(SentinelConnectionPool):
+    """redis_url.FailoverSentinelPool for asyncio: failover-aware connections, the URL's WAIT setting."""
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        self.wait_replicas = int(kwargs.pop("wait_replicas", 0))
+        self.wait_timeout_ms = int(kwargs.pop("wait_timeout_ms", 0))
+        tls = kwargs.pop("ssl", False)
+        kwargs.setdefault(
+            "connection_class", AsyncFailoverSSLSentinelConnection if tls else AsyncFailoverSentinelConnection
+        )
+        super().__init__(service_name, sentinel_manager, **kwargs)
+
+
+async def retry_unsent_async(
+    action: Callable[[], Awaitable[T]],
+    *,
+    budget_s: float = FAILOVER_BUDGET_S,
+    errors: tuple[type[Exception], ...] = UNSENT,
+) -> T:
+    """redis_url.retry_unsent, awaiting: `action()` again with backoff while it fails with `errors`."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.05
+    while True:
+        try:
+            return await action()
+        except errors as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            if delay == 0.05:
+                log.warning("Redis primary unavailable (%s): retrying for up to %.0f s", exc, budget_s)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+async def wait_replicated_async(connection: Redis, keys: Sequence[str]) -> None:
+    """redis_url.wait_replicated for an asyncio client: the same WAIT after a mark, the same errors."""
+    pool = connection.connection_pool
+    replicas, timeout_ms = getattr(pool, "wait_replicas", 0), getattr(pool, "wait_timeout_ms", 0)
+    if replicas <= 0 or not keys:
+        return
+
+    async def confirm() -> tuple[int, int]:
+        async with connection.pipeline(transaction=False) as pipe:
+            pipe.set(REPLICATION_MARK_KEY, b"1", px=60_000)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            pipe.exists(*keys)
+            _, confirmed, present = await pipe.execute()
+        return int(confirmed), int(present)
+
+    confirmed, present = await retry_unsent_async(confirm)
+    check_replicated(len(keys), present, confirmed, replicas, timeout_ms)
