@@ -13,7 +13,7 @@ import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +41,10 @@ from store.manifest import (
     chain_keys,
     decode_manifest,
     new_generation,
+    parse_shared_name,
     share_keys,
     shared_name,
+    summarize_manifest,
 )
 
 _READ_ATTEMPTS = 3
@@ -219,33 +221,83 @@ class BlockBackend(ABC):
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
         """Record that the agent was just used (for LRU eviction, TTL and `info`)."""
 
-    # --- the rest of CacheStore, per backend --------------------------------------------------------
     @abstractmethod
-    def put(
-        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
-    ) -> bool:
-        """Store the cache, its full blocks in `namespace`'s shared area (None: the store's); False
-        (nothing written) if `fence` is lower than the stored one."""
+    def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
+        """The agent's manifest as stored, its last use and whether it is pinned; None if absent
+        (or expired)."""
 
     @abstractmethod
-    def delete(self, agent_id: str) -> bool: ...
+    def _handle(self, agent_id: str) -> str:
+        """The handle `_remove` and `Usage` know the agent by."""
+
+    # --- the rest of CacheStore, per backend --------------------------------------------------------
+    @abstractmethod
+    def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
+        """`put` once its arguments are checked: write the blocks, swap in the manifest (atomically,
+        under the stored fence), release what the replaced manifest alone used."""
+
+    @abstractmethod
+    def _pin(self, agent_id: str) -> bool: ...
+
+    @abstractmethod
+    def _unpin(self, agent_id: str) -> bool: ...
 
     @abstractmethod
     def list(self) -> builtins.list[str]: ...
 
     @abstractmethod
-    def info(self, agent_id: str) -> CacheInfo | None: ...
+    def close(self) -> None: ...
 
-    @abstractmethod
+    # --- CacheStore, written once over the hooks -------------------------------------------------
+    def put(
+        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
+    ) -> bool:
+        """Store the cache, its full blocks in `namespace`'s shared area (None: the store's); False
+        (nothing written) if `fence` is lower than the stored one."""
+        validate_agent_id(agent_id)
+        check_fence(fence)
+        namespace = self.effective_namespace(namespace)
+        cache.validate(self.spec)  # before any I/O: a foreign cache leaves no trace
+        return self._write(agent_id, cache, fence, namespace)
+
+    def delete(self, agent_id: str) -> bool:
+        existed = self._remove(self._handle(validate_agent_id(agent_id)))
+        if existed:
+            self._stats.add("deletes")
+        return existed
+
     def pin(self, agent_id: str) -> bool:
         """Keep the agent's cache past the store's budget and TTL; False if there is none to pin."""
+        return self._pin(validate_agent_id(agent_id))
 
-    @abstractmethod
     def unpin(self, agent_id: str) -> bool:
         """Let budget and TTL apply to the agent again; False if it was not pinned."""
+        return self._unpin(validate_agent_id(agent_id))
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def info(self, agent_id: str) -> CacheInfo | None:
+        """What the agent's manifest says (no block is read, no model needed); None if there is no
+        intact manifest of this agent."""
+        record = self._info_record(validate_agent_id(agent_id))
+        if record is None:
+            return None
+        blob, last_used, pinned = record
+        try:
+            summary = summarize_manifest(blob)
+        except BadCacheError:
+            return None
+        if summary.agent_id != agent_id:
+            return None
+        return CacheInfo(
+            agent_id=agent_id,
+            n_tokens=summary.n_tokens,
+            nbytes=summary.block_bytes + len(blob),
+            last_used=last_used,
+            quantization=summary.quantization,
+            n_blocks=summary.n_blocks,
+            shared_blocks=sum(1 for name, _ in summary.blocks if parse_shared_name(name)),
+            pinned=pinned,
+            namespace=summary.namespace,
+        )
 
     # --- reads ---------------------------------------------------------------------------------
     def effective_namespace(self, namespace: str | None) -> str:
@@ -352,10 +404,20 @@ class BlockBackend(ABC):
         log.debug("%s: %r starts from %d shared tokens", self.kind, label, covered)
         return AgentCache(self.spec, tokens[:covered].tolist(), blocks), refs
 
-    @abstractmethod
     def _find_shared(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int]]:
         """(name, nbytes, crc32) of a stored version of each share key, in order, up to the first
         key with none (the longest run from the start)."""
+        found = []
+        for version in self._find_versions(shares):
+            if version is None:
+                break
+            found.append(version)
+        return found
+
+    @abstractmethod
+    def _find_versions(self, shares: Sequence[str]) -> Iterable[tuple[str, int, int] | None]:
+        """(name, nbytes, crc32) of each share key's stored version, None where there is none
+        (lazily where lookups are one by one: the caller may stop at the first None)."""
 
     @abstractmethod
     def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:

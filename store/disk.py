@@ -35,7 +35,6 @@ from pathlib import Path
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
-from producer.wire.ids import validate_agent_id
 from store.agent_ids import agent_key
 from store.backend import (
     DEFAULT_NAMESPACE,
@@ -45,10 +44,9 @@ from store.backend import (
     PrefixEntry,
     PrefixWrite,
     Usage,
-    check_fence,
     prefix_recency,
 )
-from store.base import CacheInfo, log
+from store.base import log
 from store.block_codec import EncodedBlock
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
@@ -192,14 +190,8 @@ class DiskStore(BlockBackend):
         paths = [self._shared_path(ref.name) for ref in manifest.blocks]
         return _read_all([path for path in paths if path is not None])
 
-    def _find_shared(self, shares: Sequence[str]) -> list[tuple[str, int, int]]:
-        found = []
-        for share in shares:
-            version = self._version(share)
-            if version is None:
-                break
-            found.append(version)
-        return found
+    def _find_versions(self, shares: Sequence[str]) -> Iterator[tuple[str, int, int] | None]:
+        return (self._version(share) for share in shares)  # lazy: a run's lookups end at its first miss
 
     def _version(self, share: str) -> tuple[str, int, int] | None:
         """(name, nbytes, crc32) of a stored version of the share key; None if there is none."""
@@ -219,13 +211,8 @@ class DiskStore(BlockBackend):
             os.utime(self._agent_dir(agent_id) / MANIFEST)
 
     # --- writes --------------------------------------------------------------------------------
-    def put(
-        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
-    ) -> bool:
+    def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
         key = agent_key(agent_id)
-        check_fence(fence)
-        namespace = self.effective_namespace(namespace)
-        cache.validate(self.spec)  # before touching the disk: a foreign cache leaves no trace
         directory = self._dir(key)
         blocks_dir = directory / "blocks"
         with self._locked(key):
@@ -511,11 +498,8 @@ class DiskStore(BlockBackend):
         return True
 
     # --- delete, list, info, budgets -----------------------------------------------------------
-    def delete(self, agent_id: str) -> bool:
-        existed = self._remove(agent_key(agent_id))
-        if existed:
-            self._stats.add("deletes")
-        return existed
+    def _handle(self, agent_id: str) -> str:
+        return agent_key(agent_id)
 
     def _remove(self, handle: str) -> bool:
         with self._locked(handle):
@@ -559,40 +543,28 @@ class DiskStore(BlockBackend):
                 continue
         return sorted(ids)
 
-    def info(self, agent_id: str) -> CacheInfo | None:
-        validate_agent_id(agent_id)
-        path = self._agent_dir(agent_id) / MANIFEST
+    def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
+        key = agent_key(agent_id)
+        path = self._dir(key) / MANIFEST
         try:
             blob = _read_file(path)
             last_used = path.stat().st_mtime
-            summary = summarize_manifest(blob)
-        except (FileNotFoundError, BadCacheError):
+        except FileNotFoundError:
             return None
-        key = agent_key(agent_id)
-        if summary.agent_id != agent_id or self._expired(key, last_used):
+        if self._expired(key, last_used):
             return None
-        return CacheInfo(
-            agent_id=agent_id,
-            n_tokens=summary.n_tokens,
-            nbytes=summary.block_bytes + len(blob),
-            last_used=last_used,
-            quantization=summary.quantization,
-            n_blocks=summary.n_blocks,
-            shared_blocks=sum(1 for name, _ in summary.blocks if parse_shared_name(name)),
-            pinned=self._pinned(key),
-            namespace=summary.namespace,
-        )
+        return blob, last_used, self._pinned(key)
 
-    def pin(self, agent_id: str) -> bool:
-        key = agent_key(validate_agent_id(agent_id))
+    def _pin(self, agent_id: str) -> bool:
+        key = agent_key(agent_id)
         with self._locked(key):  # a delete or an expiry of this agent runs under the same lock
             if not (self._dir(key) / MANIFEST).exists():
                 return False
             _write_atomic(self._dir(key) / PIN, [b""], fsync=self.fsync)
         return True
 
-    def unpin(self, agent_id: str) -> bool:
-        key = agent_key(validate_agent_id(agent_id))
+    def _unpin(self, agent_id: str) -> bool:
+        key = agent_key(agent_id)
         try:
             os.unlink(self._dir(key) / PIN)
         except FileNotFoundError:

@@ -42,7 +42,6 @@ from redis.exceptions import DataError, RedisError, ResponseError, WatchError
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
-from producer.wire.ids import validate_agent_id
 from producer.wire.redis_url import FAILOVER_BUDGET_S, REDIS_DOWN
 from producer.wire.text import as_text
 from store.agent_ids import agent_key
@@ -55,10 +54,9 @@ from store.backend import (
     PrefixWrite,
     Usage,
     WritePlan,
-    check_fence,
     prefix_recency,
 )
-from store.base import CacheInfo, log
+from store.base import log
 from store.block_codec import EncodedBlock
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
@@ -351,8 +349,8 @@ class RedisStore(BlockBackend):
                 self._hold_pinned(handle, *stored)
         super()._after_put(handle, nbytes)
 
-    def pin(self, agent_id: str) -> bool:
-        stored = self._stored_refs(validate_agent_id(agent_id))
+    def _pin(self, agent_id: str) -> bool:
+        stored = self._stored_refs(agent_id)
         if stored is None:
             return False
         self._client.sadd(self._pinned, agent_id)
@@ -360,8 +358,8 @@ class RedisStore(BlockBackend):
             self._hold_pinned(agent_id, *stored)
         return True
 
-    def unpin(self, agent_id: str) -> bool:
-        if not self._client.srem(self._pinned, validate_agent_id(agent_id)):
+    def _unpin(self, agent_id: str) -> bool:
+        if not self._client.srem(self._pinned, agent_id):
             return False
         stored = self._stored_refs(agent_id)
         if stored is not None and self.ttl_s is not None:
@@ -369,13 +367,7 @@ class RedisStore(BlockBackend):
         return True
 
     # --- writes --------------------------------------------------------------------------------
-    def put(
-        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
-    ) -> bool:
-        validate_agent_id(agent_id)
-        check_fence(fence)
-        namespace = self.effective_namespace(namespace)
-        cache.validate(self.spec)
+    def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
         replication = Replication.of(self._client)
         if replication.replicas <= 0:
             return self._put(agent_id, cache, fence, namespace) is not None
@@ -778,19 +770,6 @@ class RedisStore(BlockBackend):
         self._collect_shared([(block.ref(), self.part_bytes) for block in plan.new_blocks if block.share])
 
     # --- shared blocks of other agents ---------------------------------------------------------
-    def _find_shared(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int]]:
-        pipe = self._client.pipeline(transaction=False)
-        for share in shares:
-            pipe.get(self._pointer_key(share))
-        found = []
-        for share, value in zip(shares, pipe.execute(), strict=True):
-            try:
-                crc_hex, nbytes = bytes(value).decode().split(":")
-                found.append((shared_name(share, int(crc_hex, 16)), int(nbytes), int(crc_hex, 16)))
-            except (TypeError, ValueError):
-                break  # none stored (None), or not a pointer of ours
-        return found
-
     def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
         return self._fetch_blocks(manifest.agent_id, manifest, manifest.blocks)
 
@@ -949,11 +928,8 @@ class RedisStore(BlockBackend):
         return self._collect_one(keys, pointer)
 
     # --- delete, list, info, budgets -----------------------------------------------------------
-    def delete(self, agent_id: str) -> bool:
-        existed = self._remove(validate_agent_id(agent_id))
-        if existed:
-            self._stats.add("deletes")
-        return existed
+    def _handle(self, agent_id: str) -> str:
+        return agent_id
 
     def _remove_if_manifest_is(self, agent_id: str, manifest_blob: bytes) -> bool:
         return self._remove(agent_id, only_if=manifest_blob)
@@ -997,28 +973,16 @@ class RedisStore(BlockBackend):
     def list(self) -> builtins.list[str]:
         return sorted(entry.handle for entry in self._usage())
 
-    def info(self, agent_id: str) -> CacheInfo | None:
-        blob = _as_blob(self._client.get(self._mkey(validate_agent_id(agent_id))))
+    def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(self._mkey(agent_id))
+        pipe.zscore(self._index, agent_id)
+        pipe.sismember(self._pinned, agent_id)
+        value, score, pinned = pipe.execute()
+        blob = _as_blob(value)
         if blob is None:
             return None
-        try:
-            summary = summarize_manifest(blob)
-        except BadCacheError:
-            return None
-        if summary.agent_id != agent_id:
-            return None
-        score = self._client.zscore(self._index, agent_id)
-        return CacheInfo(
-            agent_id=agent_id,
-            n_tokens=summary.n_tokens,
-            nbytes=summary.block_bytes + len(blob),
-            last_used=float(score) if score is not None else 0.0,
-            quantization=summary.quantization,
-            n_blocks=summary.n_blocks,
-            shared_blocks=sum(1 for name, _ in summary.blocks if parse_shared_name(name)),
-            pinned=bool(self._client.sismember(self._pinned, agent_id)),
-            namespace=summary.namespace,
-        )
+        return blob, float(score) if score is not None else 0.0, bool(pinned)
 
     def _usage(self) -> builtins.list[Usage]:
         """Indexed agents whose manifest still exists; entries of expired ones are dropped here."""

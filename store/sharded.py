@@ -29,7 +29,7 @@ from typing import TypeVar
 from engine.core.blocks import AgentCache
 from producer.wire.ids import validate_agent_id
 from store.backend import Blob, BlockBackend, PrefixEntry, PrefixWrite, Usage
-from store.base import CacheInfo, log
+from store.base import log
 from store.block_codec import EncodedBlock
 from store.errors import StoreError
 from store.manifest import BlockRef, Manifest
@@ -121,11 +121,8 @@ class ShardedStore(BlockBackend):
         validate_agent_id(agent_id)
         return self.shard_for(agent_id).get(agent_id, prompt_tokens=prompt_tokens, namespace=namespace)
 
-    def put(
-        self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
-    ) -> bool:
-        validate_agent_id(agent_id)
-        return self.shard_for(agent_id).put(agent_id, cache, fence=fence, namespace=namespace)
+    def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
+        return self.shard_for(agent_id)._write(agent_id, cache, fence, namespace)
 
     def read_manifest(self, agent_id: str) -> Manifest | None:
         return self.shard_for(validate_agent_id(agent_id)).read_manifest(agent_id)
@@ -133,14 +130,17 @@ class ShardedStore(BlockBackend):
     def record_miss(self, agent_id: str, reason: str, detail: str) -> None:
         self.shard_for(agent_id).record_miss(agent_id, reason, detail)
 
-    def info(self, agent_id: str) -> CacheInfo | None:
-        return self.shard_for(validate_agent_id(agent_id)).info(agent_id)
+    def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
+        return self.shard_for(agent_id)._info_record(agent_id)
 
-    def pin(self, agent_id: str) -> bool:
-        return self.shard_for(validate_agent_id(agent_id)).pin(agent_id)
+    def _pin(self, agent_id: str) -> bool:
+        return self.shard_for(agent_id)._pin(agent_id)
 
-    def unpin(self, agent_id: str) -> bool:
-        return self.shard_for(validate_agent_id(agent_id)).unpin(agent_id)
+    def _unpin(self, agent_id: str) -> bool:
+        return self.shard_for(agent_id)._unpin(agent_id)
+
+    def _handle(self, agent_id: str) -> str:
+        return agent_id  # the shards are RedisStores, which know agents by their ids
 
     def delete(self, agent_id: str) -> bool:
         """Delete the agent on its shard, and any copy a shard held before shards were added (so a
@@ -226,7 +226,7 @@ class ShardedStore(BlockBackend):
     def _backend_errors(self) -> tuple[type[Exception], ...]:
         return tuple({error for shard in self.shards for error in shard._backend_errors()})
 
-    def _find_shared(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int]]:
+    def _find_versions(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int] | None]:
         raise NotImplementedError("shared blocks are found by the shard an agent or prefix routes to")
 
     def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
