@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,9 @@ class Exchange:
     status: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     error: str = ""  # the response body of a non-2xx answer
+    sent_at: float = 0.0  # time.monotonic() when the request reached the proxy
+    #: a 2xx answer's chunks as relayed, each with its time.monotonic(): the benchmark's first-token time
+    received: list[tuple[float, bytes]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -90,7 +94,7 @@ class RecordingProxy:
     async def _forward(self, request: Request) -> Response:
         raw = await request.body()
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        exchange = Exchange(request.method, target, _json_object(raw))
+        exchange = Exchange(request.method, target, _json_object(raw), sent_at=time.monotonic())
         self.exchanges.append(exchange)
         # identity: the bytes relayed are the bytes kvrq wrote, and an error body reads as text
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
@@ -113,6 +117,7 @@ class RecordingProxy:
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async for chunk in answer.aiter_raw():
+                    exchange.received.append((time.monotonic(), chunk))
                     yield chunk
             finally:
                 await answer.aclose()
