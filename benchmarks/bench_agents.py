@@ -98,6 +98,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import percentile  # noqa: E402
 from engine.cpu.blas import blas_preload_env, ensure_fast_blas  # noqa: E402
 
 Message = dict[str, str]
@@ -174,11 +175,6 @@ class Answer:
 Ask = Callable[[int, list[Message]], Answer]
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
-
-
 def drive(
     ask: Ask, agents: int, turns: int, chats: dict[int, list[Message]] | None = None
 ) -> tuple[float, list[dict[str, Any]]]:
@@ -220,7 +216,7 @@ def drive(
 def kvrq_worker(env: dict[str, str] | None = None) -> Iterator[tuple[str, Path]]:
     """A private redis-server and one `kvrq worker` on the builtin model (`env`: more settings for it):
     (Redis URL, a work folder)."""
-    from tests.worker.procs import RedisProcess, WorkerProcess
+    from benchmarks.procs import RedisProcess, WorkerProcess
 
     with tempfile.TemporaryDirectory(prefix="kvrq-agents-") as tmp:
         workdir = Path(tmp)
@@ -291,8 +287,8 @@ def run_restart(args: argparse.Namespace, *, warmup: bool) -> tuple[float, list[
     `kvrq worker` process on the same disk store (`KVRQ_WARMUP` on or off), and once it has registered
     every agent takes one more turn at once. Rows of that turn carry `after_restart`; the wall time is
     the warm part's."""
+    from benchmarks.procs import RedisProcess, WorkerProcess
     from producer.client import Producer
-    from tests.worker.procs import RedisProcess, WorkerProcess
 
     env = {"KVRQ_HEARTBEAT_INTERVAL": "5", "KVRQ_WARMUP": "1" if warmup else "0"}
     with tempfile.TemporaryDirectory(prefix="kvrq-agents-restart-") as tmp:

@@ -3,7 +3,7 @@
     python benchmarks/bench_http.py                  # 300 requests a side, 2 rounds; writes results/http.json
     python benchmarks/bench_http.py --requests 50 --out /tmp/http.json
 
-A private redis-server, a `kvrq serve` process and a stand-in worker (tests/http/test_load.py: it
+A private redis-server, a `kvrq serve` process and a stand-in worker (benchmarks/procs.py: it
 answers each job at once with three deltas, in Redis as a kvrq worker does), so what is measured is
 the path around the model, not the model. One client, one request at a time, each its own agent turn;
 per side the client's time to the first text and to the end, p50 and p99: the producer side submits
@@ -16,9 +16,7 @@ between rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -31,16 +29,18 @@ sys.path.insert(0, str(ROOT))
 
 import openai  # noqa: E402
 
+from benchmarks.common import machine, percentile, write_json  # noqa: E402
+from benchmarks.procs import STAND_IN_MODEL as MODEL  # noqa: E402
+from benchmarks.procs import stand_in_stack  # noqa: E402
 from producer.client import Producer  # noqa: E402
-from tests.http.test_load import MODEL, stand_in_stack  # noqa: E402
 
 Timed = tuple[float | None, float]  # (first text, end), seconds
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50_ms": round(1000 * pick(0.5), 2), "p99_ms": round(1000 * pick(0.99), 2)}
+    p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
+    assert p50 is not None and p99 is not None, "no timings"
+    return {"p50_ms": round(1000 * p50, 2), "p99_ms": round(1000 * p99, 2)}
 
 
 def sides(producer: Producer, client: openai.OpenAI) -> dict[str, Callable[[int], Timed]]:
@@ -88,11 +88,7 @@ def main() -> int:
     args = parser.parse_args()
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/bench_http.py", *sys.argv[1:]]),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "load_average_before": os.getloadavg(),
         "rounds": [],
     }
@@ -125,10 +121,7 @@ def main() -> int:
             f"| {row['round']} | {row['side']} | {first['p50_ms']:.1f} / {first['p99_ms']:.1f} "
             f"| {end['p50_ms']:.1f} / {end['p99_ms']:.1f} |"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    print(f"\nwrote {write_json(args.out, report)}")
     return 0
 
 

@@ -31,8 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.procs import RedisProcess, WorkerProcess  # noqa: E402
 from producer.client import Producer  # noqa: E402
-from tests.worker.procs import RedisProcess, WorkerProcess  # noqa: E402
 
 SIDES = ("no tenant", "one tenant", "four tenants")
 

@@ -41,9 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from redis import Redis  # noqa: E402
 
+from benchmarks.common import percentile  # noqa: E402
+from benchmarks.procs import RedisProcess, WorkerProcess, wait_for  # noqa: E402
 from producer.client import JobHandle, Producer  # noqa: E402
 from tests.worker.chaos_checks import ENDED, Delivery, deliveries, summary  # noqa: E402
-from tests.worker.procs import RedisProcess, WorkerProcess, wait_for  # noqa: E402
 
 FAST_LIVENESS = {"KVRQ_LIVENESS_TTL": "2", "KVRQ_CRASH_CHECK_INTERVAL": "1"}
 STORY = "Once upon a time, in a small village by the sea,"
@@ -85,13 +86,6 @@ class FaultResult:
             "affected_jobs": len(self.finished_s),
             "notes": self.notes,
         }
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 class Bench:

@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from redis import Redis  # noqa: E402
 
+from benchmarks.procs import RedisProcess, WorkerProcess  # noqa: E402
 from producer.client import JobFailedError, Producer  # noqa: E402
 from producer.wire.protocol import MEMORY_FIELD  # noqa: E402
-from tests.worker.procs import RedisProcess, WorkerProcess  # noqa: E402
 
 SYSTEM = "You are a ship's log keeper. Answer in a few words."
 MiB = 1024 * 1024

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -20,8 +18,8 @@ import pytest
 from redis import Redis
 from rq.job import Job
 
-from tests.conftest import free_port
-from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
+from benchmarks import procs as shared
+from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,48 +29,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
 
 
-class ServeProcess:
-    """`python -m worker.cli serve` on a free loopback port, logging to a file."""
+class ServeProcess(shared.ServeProcess):
+    """benchmarks/procs.py's `kvrq serve`, with this module's small body limit (the 413 test)."""
 
     def __init__(self, redis_url: str, workdir: Path, args: Sequence[str] = ()) -> None:
         """`args`: more `kvrq serve` options (an API key file)."""
-        self.redis_url = redis_url
-        self.port = free_port()
-        self.log_path = workdir / "serve.log"
-        command = [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "serve",
-            "--redis",
-            redis_url,
-            "--port",
-            str(self.port),
-        ]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*command, "--max-body-mb", str(MAX_BODY_MB), *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def serves(self, model: str) -> bool:
-        try:
-            return model in httpx.get(f"{self.url}/health", timeout=1).json()["models"]
-        except (httpx.HTTPError, ValueError, KeyError):
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        super().__init__(redis_url, workdir, ["--max-body-mb", str(MAX_BODY_MB), *args])
 
 
 @contextlib.contextmanager

@@ -11,122 +11,31 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import openai
 import pytest
-from redis import Redis
-from rq import Queue, Worker
-from rq.job import Job, JobStatus
-from rq.results import Result
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from producer.wire.protocol import MODEL_FIELD, StreamEvent, stream_key
+from benchmarks import procs as shared
+from benchmarks.procs import STAND_IN_MODEL, StandInWorker
 from tests.http.test_integration import ServeProcess
 from tests.worker.procs import RedisProcess, wait_for
 
 pytestmark = [pytest.mark.integration]
 
-MODEL = "stand-in"
+MODEL = STAND_IN_MODEL
 CLIENTS = 200
 REQUESTS = 1000
 WARMUP = 200
 ROUND = 200
 
 
-class StandInWorker:
-    """Takes kvrq jobs from the queue and finishes them as a kvrq worker would, in Redis: a stream
-    (start, three deltas that spell the request's last message, end) and an rq result."""
-
-    def __init__(self, url: str) -> None:
-        self.connection = Redis.from_url(url)
-        self.queue = Queue("kvrq", connection=self.connection, serializer=JSONSerializer)
-        self.rq_worker = Worker(
-            [self.queue], connection=self.connection, name="stand-in", serializer=JSONSerializer
-        )
-        self.stop = threading.Event()
-        self.jobs = 0
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def start(self) -> None:
-        self.rq_worker.register_birth()
-        self.connection.hset(self.rq_worker.key, MODEL_FIELD, MODEL)  # what a kvrq worker announces
-        self.thread.start()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            popped = self.connection.blpop([self.queue.key], timeout=1)
-            if popped is not None:
-                self.answer(popped[1].decode())
-
-    def begin(self, job_id: str) -> None:
-        """The start of an answer that never ends: the stream's start and first delta."""
-        text = self.events(job_id)[1].text
-        for event in self.events(job_id)[:2]:
-            self.connection.xadd(stream_key(job_id), event.to_fields())  # type: ignore[arg-type]
-        assert text
-
-    def events(self, job_id: str) -> list[StreamEvent]:
-        """start, then three deltas that spell the request's last message."""
-        job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
-        text = job.args[0]["messages"][-1]["content"]
-        thirds = [
-            text[: len(text) // 3],
-            text[len(text) // 3 : 2 * len(text) // 3],
-            text[2 * len(text) // 3 :],
-        ]
-        return [StreamEvent("start", attempt="1")] + [StreamEvent("delta", text=t, token=1) for t in thirds]
-
-    def answer(self, job_id: str) -> None:
-        job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
-        text = job.args[0]["messages"][-1]["content"]
-        events = self.events(job_id)
-        result = {
-            "job_id": job_id,
-            "agent_id": job.args[0].get("agent_id"),
-            "text": text,
-            "token_ids": [1, 1, 1],
-            "finish_reason": "stop",
-            "usage": {"prompt_tokens": 9, "reused_tokens": 0, "prefilled_tokens": 9, "generated_tokens": 3},
-            "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.0, "total_s": 0.0},
-        }
-        with self.connection.pipeline() as pipe:
-            for event in [*events, StreamEvent("end", finish_reason="stop")]:
-                pipe.xadd(stream_key(job_id), event.to_fields())  # type: ignore[arg-type]
-            Result.create(job, Result.Type.SUCCESSFUL, ttl=600, return_value=result, pipeline=pipe)
-            job.set_status(JobStatus.FINISHED, pipeline=pipe)
-            pipe.execute()
-        self.jobs += 1
-
-    def pause(self) -> None:
-        """Take no more jobs; stay registered, so the model is still served."""
-        self.stop.set()
-        self.thread.join(timeout=5)
-
-    def close(self) -> None:
-        self.pause()
-        self.rq_worker.register_death()
-
-
-@contextmanager
-def stand_in_stack(workdir: Path) -> Iterator[tuple[ServeProcess, StandInWorker]]:
-    """A redis-server, the stand-in worker and a `kvrq serve` that lists its model."""
-    redis = RedisProcess(workdir)
-    redis.start()
-    worker = StandInWorker(redis.url)
-    worker.start()
-    server = ServeProcess(redis.url, workdir)
-    try:
-        wait_for(
-            lambda: server.serves(MODEL) or server.proc.poll() is not None, 60, "kvrq serve did not start"
-        )
-        assert server.proc.poll() is None, server.log()
-        yield server, worker
-    finally:
-        server.stop()
-        worker.close()
-        redis.stop()
+def stand_in_stack(workdir: Path) -> contextlib.AbstractContextManager[tuple[ServeProcess, StandInWorker]]:
+    """benchmarks/procs.py's stack: a redis-server, the stand-in worker (this module's `StandInWorker`,
+    which a test may patch) and a `kvrq serve` that lists its model."""
+    return shared.stand_in_stack(workdir, redis=RedisProcess, stand_in=StandInWorker, serve=ServeProcess)
 
 
 @pytest.fixture(scope="module")
