@@ -19,15 +19,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 
-from producer.client import JobHandle, Producer
+from producer.aio import AsyncJobHandle, AsyncProducer
 from producer.http import anthropic_api, conversations_routes, openai_api, openapi
 from producer.http.body import parsed_body
-from producer.http.bridge import DEFAULT_THREADS, Bridge, ClientGone, disconnected
+from producer.http.bridge import Bridge, ClientGone, disconnected
 from producer.http.errors import APIError, ServerErrors, flavor_of, from_validation, invalid
 from producer.http.guard import ApiKeys, BodyLimit, request_tenant
 from producer.http.ignored import IgnoredFields
@@ -37,6 +38,7 @@ from producer.http.sse import OnResult, Translator, open_stream
 from producer.models import GenerationRequest, GenerationResult
 from producer.openai_shapes.bodies import CHAT_URL, COMPLETIONS_URL
 from producer.wire.redis_url import DEFAULT_REDIS_URL, connect
+from producer.wire.redis_url_aio import connect_async
 
 logger = logging.getLogger("kvrq.http")
 
@@ -56,23 +58,27 @@ class ServeSettings:
     api_keys: tuple[str, ...] = ()
     #: (key, tenant) for the keys an operator named a tenant for; any other key is a tenant of its own.
     key_tenants: tuple[tuple[str, str], ...] = ()
-    threads: int = DEFAULT_THREADS
     #: Cut a max_tokens beyond what the context leaves to what it leaves (clients send 32,000 to a
     #: local model's 8K context); False (KVRQ_STRICT_MAX_TOKENS=1) answers those 400 instead.
     fit_max_tokens: bool = field(default_factory=lambda: os.environ.get(STRICT_MAX_TOKENS_ENV) != "1")
 
 
-def create_app(settings: ServeSettings, *, connection: Redis | None = None) -> FastAPI:
-    if connection is None:
-        # A connection per waiting thread (each holds one through its blocking reads), a few to spare.
-        connection = connect(settings.redis_url, max_connections=settings.threads + 16)
-    bridge = Bridge(Producer(connection=connection), threads=settings.threads)
+def create_app(
+    settings: ServeSettings, *, connection: Redis | None = None, aio_connection: AsyncRedis | None = None
+) -> FastAPI:
+    """`connection` (blocking: the pools' and records' rq reads, cancels) and `aio_connection` (every
+    submit and wait) are both given, or both made from settings.redis_url."""
+    if (connection is None) != (aio_connection is None):
+        raise ValueError("give both connection and aio_connection, or neither")
+    if connection is None or aio_connection is None:
+        connection, aio_connection = connect(settings.redis_url), connect_async(settings.redis_url)
+    bridge = Bridge(AsyncProducer(connection=aio_connection, blocking=connection), connection)
     directory = PoolDirectory(connection)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        bridge.close()
+        await bridge.close()
 
     app = FastAPI(title="kvrq", lifespan=lifespan, docs_url=None, redoc_url=None)  # /openapi.json
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -178,7 +184,7 @@ class _Front:
     async def answer(
         self,
         request: Request,
-        handle: JobHandle,
+        handle: AsyncJobHandle,
         translator: Translator | None,
         body: Callable[[GenerationResult], dict[str, Any]],
         on_result: OnResult | None = None,
@@ -214,7 +220,7 @@ class _Front:
 
     async def submit(
         self, request: Request, model: str | None, fields: dict[str, Any]
-    ) -> tuple[Pool, JobHandle]:
+    ) -> tuple[Pool, AsyncJobHandle]:
         try:
             generation = GenerationRequest.model_validate(
                 {**fields, "max_tokens_fit": self.settings.fit_max_tokens}
@@ -231,7 +237,7 @@ class _Front:
         pool = await self.bridge.run(self.directory.resolve, model)
         generation = generation.model_copy(update={"queue": pool.queue})
         if self.settings.max_queued is not None:
-            depth = await self.bridge.run(lambda: self.bridge.producer.queue(pool.queue).count)
+            depth = await self.bridge.producer.queue_length(pool.queue)
             if depth >= self.settings.max_queued:
                 raise APIError(
                     429,

@@ -1,9 +1,10 @@
-"""The producer's blocking client, driven from async code: submit, wait, follow the stream, cancel.
+"""The server's side of a job: submit, wait, follow the stream, cancel, with the asyncio producer.
 
-`JobHandle` reads Redis with blocking calls (XREAD with a one-second block); each wait runs on a thread
-of the bridge's own pool, so many open streams never starve the event loop or each other. A wait ends
-early when its `stop` flag is set (the client went away): the handle's `on_wait` callback, called about
-every second of waiting, raises then.
+Every wait is an AsyncJobHandle's (producer/aio.py): awaited on the event loop, holding a Redis
+connection, no thread. A wait ends early when the client goes away (`race`: the job is canceled) or the
+request times out (504: the job is canceled). The few reads that only rq's blocking API makes (the
+pools' worker list, the Responses records) run on asyncio's default executor (`run`), a handful of
+threads, never held through a wait.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
+from redis import Redis
 from redis.exceptions import RedisError
 
-from producer.client import JobFailedError, JobHandle, JobNotFoundError, Producer, ResultTimeoutError
+from producer.aio import AsyncJobHandle, AsyncProducer
+from producer.errors import JobFailedError, JobNotFoundError, ResultTimeoutError
 from producer.http.errors import APIError, from_job_failure
 from producer.models import GenerationRequest, GenerationResult
 from producer.wire.protocol import StreamEvent
@@ -28,61 +28,60 @@ from producer.wire.protocol import StreamEvent
 T = TypeVar("T")
 logger = logging.getLogger("kvrq.http")
 
-#: Threads that wait on Redis for the server's open requests (each open request holds one while it waits).
-DEFAULT_THREADS = 512
 #: Seconds to wait for the result of a job whose stream has ended (the worker writes the end marker first).
 RESULT_AFTER_END_S = 5.0
+#: Seconds the server, stopping, waits for the cancels it has sent out.
+CLOSE_WAIT_S = 5.0
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its job ended; the job has been canceled."""
 
 
-class _Stopped(Exception):
-    pass
-
-
 class Bridge:
-    def __init__(self, producer: Producer, *, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, producer: AsyncProducer, blocking: Redis) -> None:
+        """`blocking`: the client for rq's blocking reads (`run`) and cancels."""
         self.producer = producer
-        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvrq-http")
+        self.blocking = blocking
+        self._cancels: set[asyncio.Task[None]] = set()
 
-    def close(self) -> None:
-        """At shutdown: the cancels of the requests the server cut off still go out (queued calls run;
-        the waits end within a poll, their stop flags set)."""
-        self.executor.shutdown(wait=False)
+    async def close(self) -> None:
+        """At shutdown: the cancels of the requests the server cut off still go out."""
+        if self._cancels:
+            await asyncio.wait(set(self._cancels), timeout=CLOSE_WAIT_S)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
+        """A short blocking call (rq's reads) on the default executor."""
+        return await asyncio.to_thread(partial(fn, *args))
 
-    async def submit(self, request: GenerationRequest) -> JobHandle:
-        return await self.run(self.producer.submit, request)
+    async def submit(self, request: GenerationRequest) -> AsyncJobHandle:
+        return await self.producer.submit(request)
 
-    def cancel_soon(self, handle: JobHandle) -> None:
-        """Cancel the job on a thread, not waiting: for where nothing can be awaited (a closing stream)."""
+    def cancel_soon(self, handle: AsyncJobHandle) -> None:
+        """Cancel the job, not waiting: for where nothing can be awaited (a closing stream)."""
         try:
-            self.executor.submit(_cancel, handle)
-        except RuntimeError:  # the server is stopping and its pool takes no more work: a thread of its own
-            threading.Thread(target=_cancel, args=(handle,), name="kvrq-http-cancel").start()
+            task = asyncio.get_running_loop().create_task(_cancel(handle))
+        except RuntimeError:  # no loop running any more (the server stopped): a thread of its own
+            threading.Thread(target=asyncio.run, args=(_cancel(handle),), name="kvrq-http-cancel").start()
+            return
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
-    async def result(self, handle: JobHandle, *, timeout: float, gone: Awaitable[object]) -> GenerationResult:
+    async def result(
+        self, handle: AsyncJobHandle, *, timeout: float, gone: Awaitable[object]
+    ) -> GenerationResult:
         """The job's result; APIError when it fails, or times out (it is canceled); ClientGone when
         `gone` completes first (the client disconnected: the job is canceled)."""
-        stop = threading.Event()
         try:
-            return await self.race(
-                handle, self.run(partial(handle.result, timeout, on_wait=partial(_check, stop))), gone
-            )
+            return await self.race(handle, handle.result(timeout, on_wait=_quiet), gone)
         except JobFailedError as exc:
             raise from_job_failure(exc) from None
         except ResultTimeoutError:
             raise self.timed_out(handle, timeout) from None
-        finally:
-            stop.set()
 
     async def first(
         self,
-        handle: JobHandle,
+        handle: AsyncJobHandle,
         events: AsyncIterator[StreamEvent],
         *,
         timeout: float,
@@ -95,7 +94,7 @@ class Bridge:
         except ResultTimeoutError:
             raise self.timed_out(handle, timeout) from None
 
-    async def race(self, handle: JobHandle, work: Awaitable[T], gone: Awaitable[object]) -> T:
+    async def race(self, handle: AsyncJobHandle, work: Awaitable[T], gone: Awaitable[object]) -> T:
         """`work`'s outcome, unless `gone` completes first: then the job is canceled and ClientGone raised.
         A request cancelled while it waits (the server stopping) cancels its job too."""
         task = asyncio.ensure_future(work)
@@ -115,95 +114,36 @@ class Bridge:
             raise ClientGone(handle.id)
         return task.result()
 
-    def timed_out(self, handle: JobHandle, timeout: float) -> APIError:
+    def timed_out(self, handle: AsyncJobHandle, timeout: float) -> APIError:
         """504 for a job that did not end in time; the job is canceled."""
         self.cancel_soon(handle)
         return APIError(504, f"job {handle.id} did not end within {timeout:g} s", code="timeout")
 
-    async def result_after_end(self, handle: JobHandle) -> GenerationResult | None:
+    async def result_after_end(self, handle: AsyncJobHandle) -> GenerationResult | None:
         """The result of a job whose stream ended with `end`; None if it has none (canceled, expired)."""
         try:
-            return await self.run(handle.result, RESULT_AFTER_END_S)
+            return await handle.result(RESULT_AFTER_END_S, on_wait=_quiet)
         except (JobFailedError, ResultTimeoutError, JobNotFoundError):
             return None
 
-    async def failure(self, handle: JobHandle, reason: str) -> APIError:
+    async def failure(self, handle: AsyncJobHandle, reason: str) -> APIError:
         """The error of a job whose stream ended with `error`, with the code its worker recorded."""
         try:
-            await self.run(handle.result, RESULT_AFTER_END_S)
+            await handle.result(RESULT_AFTER_END_S, on_wait=_quiet)
         except JobFailedError as exc:
             return from_job_failure(exc)
         except (ResultTimeoutError, JobNotFoundError):
             pass
         return APIError(500, f"job {handle.id} failed: {reason}", code="job_failed")
 
-    async def events(self, handle: JobHandle, *, timeout: float) -> AsyncIterator[StreamEvent]:
-        """The job's stream events, what a re-run repeats left out (Replay); ends after `end` or `error`.
-
-        Raises ResultTimeoutError when no end comes within `timeout` seconds.
-        """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue()
-        stop = threading.Event()
-
-        def pump() -> None:
-            try:
-                for event in handle.events(timeout, on_wait=partial(_check, stop)):
-                    loop.call_soon_threadsafe(queue.put_nowait, event)
-                    if stop.is_set():
-                        break
-            except _Stopped:
-                pass
-            except BaseException as exc:  # handed to the reader, which raises it
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-        loop.run_in_executor(self.executor, pump)
-        replay = Replay()
-        try:
-            while (item := await queue.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                event = replay.fresh(item)
-                if event is not None:
-                    yield event
-        finally:
-            stop.set()
+    def events(self, handle: AsyncJobHandle, *, timeout: float) -> AsyncIterator[StreamEvent]:
+        """The job's stream events, what a re-run repeats left out (AsyncJobHandle.fresh_events); ends
+        after `end` or `error`. Raises ResultTimeoutError when no end comes within `timeout` seconds."""
+        return handle.fresh_events(timeout, on_wait=_quiet)
 
 
-class Replay:
-    """Leaves out what a re-run repeats: a job started again after a worker crash or drain streams again
-    from its start (`start` event); the text, calls and logprobs already passed on are skipped (exact for
-    greedy or seeded requests, as `JobHandle.stream()`). A stream with tool calls ends "tool_calls"."""
-
-    def __init__(self) -> None:
-        self.sent: Counter[str] = Counter()
-        self.attempt: Counter[str] = Counter()
-
-    def fresh(self, event: StreamEvent) -> StreamEvent | None:
-        kind = event.kind
-        if kind == "start":
-            self.attempt.clear()
-            return None
-        if kind in ("delta", "reasoning"):
-            skip = max(0, self.sent[kind] - self.attempt[kind])
-            self.attempt[kind] += len(event.text)
-            if skip >= len(event.text):
-                return None
-            self.sent[kind] += len(event.text) - skip
-            return replace(event, text=event.text[skip:]) if skip else event
-        if kind in ("tool_call", "logprobs"):
-            self.attempt[kind] += 1
-            if self.attempt[kind] <= self.sent[kind]:
-                return None
-            self.sent[kind] += 1
-        return event
-
-
-def _check(stop: threading.Event) -> None:
-    if stop.is_set():
-        raise _Stopped
+def _quiet() -> None:
+    """The server's waits log no "no worker listens" notice: a request without a worker is a 503."""
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
@@ -212,9 +152,9 @@ def _consume(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _cancel(handle: JobHandle) -> None:
+async def _cancel(handle: AsyncJobHandle) -> None:
     try:
-        if handle.cancel():
+        if await handle.cancel():
             logger.info("job %s: canceled (the client went away or its time ran out)", handle.id)
     except (JobNotFoundError, RedisError) as exc:
         logger.warning("job %s: could not cancel: %s", handle.id, exc)

@@ -97,7 +97,7 @@ class StoredConversation:
 
 
 class Records:
-    """Responses and conversations in Redis (blocking calls: run them on the bridge's threads)."""
+    """Responses and conversations in Redis (blocking calls: run them with Bridge.run)."""
 
     def __init__(self, connection: Redis, ttl_s: int = RECORD_TTL_S) -> None:
         self.connection = connection

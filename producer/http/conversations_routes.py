@@ -264,7 +264,7 @@ def _paging(request: Request, *, default_order: str) -> dict[str, Any]:
 def add_routes(app: FastAPI, front: Front, read_body: BodyReader) -> None:
     """The Responses and Conversations routes, on the app's Redis (records are scoped to the tenant of
     the API key a request offers, when the server takes keys)."""
-    routes = ResponsesAPI(front, Records(front.bridge.producer.connection), read_body)
+    routes = ResponsesAPI(front, Records(front.bridge.blocking), read_body)
     app.add_api_route("/v1/responses", routes.create, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", routes.get, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", routes.delete, methods=["DELETE"])

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from producer.client import JobCanceledError, JobFailedError
+from producer.errors import JobCanceledError, JobFailedError
 from producer.openai_shapes.bodies import validation_message
 from producer.wire.protocol import ErrorCode
 

@@ -17,7 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 from redis.exceptions import RedisError
 from starlette.responses import StreamingResponse
 
-from producer.client import JobHandle, ResultTimeoutError
+from producer.aio import AsyncJobHandle
+from producer.errors import ResultTimeoutError
 from producer.http.bridge import Bridge
 from producer.http.errors import APIError, Flavor
 from producer.models import GenerationResult
@@ -73,7 +74,7 @@ class Pinging(Protocol):
 
 async def open_stream(
     bridge: Bridge,
-    handle: JobHandle,
+    handle: AsyncJobHandle,
     translator: Translator,
     *,
     timeout: float,
@@ -109,7 +110,7 @@ async def open_stream(
 
 async def _pinged(
     bridge: Bridge,
-    handle: JobHandle,
+    handle: AsyncJobHandle,
     translator: Translator,
     first_event: asyncio.Future[StreamEvent],
     events: AsyncIterator[StreamEvent],
@@ -155,7 +156,7 @@ async def _chain(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncI
 
 async def job_stream(
     bridge: Bridge,
-    handle: JobHandle,
+    handle: AsyncJobHandle,
     translator: Translator,
     events: AsyncIterator[StreamEvent],
     *,

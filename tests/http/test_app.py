@@ -15,7 +15,7 @@ from producer.http.errors import APIError
 from producer.http.guard import load_keys
 from producer.http.pools import Pool, PoolDirectory
 from producer.wire.protocol import CAPACITY_FIELD, MODEL_FIELD, worker_alive_key
-from tests.producer.fakes import fake_redis
+from tests.producer.fakes import app_connections, fake_redis
 from worker.rqexec import KvrqWorker
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -23,7 +23,7 @@ MESSAGES = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "h
 
 
 def client(**settings: object) -> TestClient:
-    return TestClient(create_app(ServeSettings(**settings), connection=fake_redis()))  # type: ignore[arg-type]
+    return TestClient(create_app(ServeSettings(**settings), **app_connections()))  # type: ignore[arg-type]
 
 
 @pytest.fixture

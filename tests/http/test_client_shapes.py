@@ -27,7 +27,7 @@ from producer.openai_shapes.bodies import CHAT_URL
 from producer.wire.ids import agent_id_problem
 from producer.wire.protocol import StreamEvent
 from tests.http.test_fuzz import app_client, mutate  # noqa: F401  (app_client: the fixture)
-from tests.producer.fakes import fake_redis
+from tests.producer.fakes import app_connections
 
 SESSION = "5b0f3c1e-7d4a-4b8e-9c2f-1a2b3c4d5e6f"
 BASH = {
@@ -332,7 +332,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Pool]]:
 
 
 def client() -> TestClient:
-    return TestClient(create_app(ServeSettings(), connection=fake_redis()))
+    return TestClient(create_app(ServeSettings(), **app_connections()))
 
 
 def test_root_answers_head_and_get() -> None:

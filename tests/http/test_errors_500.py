@@ -14,7 +14,7 @@ import uvicorn
 
 from producer.http.app import ServeSettings, create_app
 from tests.conftest import free_port
-from tests.producer.fakes import fake_redis
+from tests.producer.fakes import app_connections
 from tests.worker.procs import wait_for
 
 
@@ -24,7 +24,7 @@ class Broken(Exception):
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    app = create_app(ServeSettings(), connection=fake_redis())
+    app = create_app(ServeSettings(), **app_connections())
 
     @app.get("/v1/broken")
     async def broken() -> None:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from producer.http.app import ServeSettings, create_app
 from producer.http.openapi import OPERATIONS
 from producer.models import MAX_JSON_DEPTH, GenerationRequest, json_depth_problem
-from tests.producer.fakes import fake_redis
+from tests.producer.fakes import app_connections
 
 CHAT: dict[str, Any] = {
     "model": "smollm2-135m",
@@ -43,7 +43,7 @@ def schema(levels: int) -> dict[str, Any]:
 
 @pytest.fixture
 def http() -> TestClient:
-    return TestClient(create_app(ServeSettings(), connection=fake_redis()))
+    return TestClient(create_app(ServeSettings(), **app_connections()))
 
 
 def refused(answer: Any, *words: str) -> str:

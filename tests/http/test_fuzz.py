@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from producer.client import JobHandle
+from producer.aio import AsyncJobHandle
 from producer.http import pools
 from producer.http.app import ServeSettings, create_app
 from producer.http.bridge import Bridge
@@ -20,7 +20,7 @@ from producer.http.pools import Pool
 from producer.models import GenerationRequest, GenerationResult
 from producer.wire.protocol import StreamEvent
 from tests.batch.test_format import RESULT
-from tests.producer.fakes import fake_redis
+from tests.producer.fakes import app_connections
 
 SEEDS = 1000
 MODEL = "smollm2-135m"
@@ -104,19 +104,21 @@ def app_client(monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
     monkeypatch.setattr(pools, "served_pools", lambda connection: {MODEL: Pool(MODEL, "kvrq", 1)})
     result = GenerationResult.model_validate(RESULT)
 
-    async def submit(self: Bridge, request: GenerationRequest) -> JobHandle:
+    async def submit(self: Bridge, request: GenerationRequest) -> AsyncJobHandle:
         GenerationRequest.model_validate(request.model_dump())  # what Producer.submit checks again
-        return JobHandle(self.producer.connection, "job-1")
+        return self.producer.handle("job-1")
 
-    async def finished(self: Bridge, handle: JobHandle, *, timeout: float, gone: Any) -> GenerationResult:
+    async def finished(
+        self: Bridge, handle: AsyncJobHandle, *, timeout: float, gone: Any
+    ) -> GenerationResult:
         gone.close()  # the wait for a disconnect, never started here
         return result
 
-    async def events(self: Bridge, handle: JobHandle, *, timeout: float) -> AsyncIterator[StreamEvent]:
+    async def events(self: Bridge, handle: AsyncJobHandle, *, timeout: float) -> AsyncIterator[StreamEvent]:
         yield StreamEvent("delta", text="Hi")
         yield StreamEvent("end", finish_reason="stop")
 
-    async def after_end(self: Bridge, handle: JobHandle) -> GenerationResult:
+    async def after_end(self: Bridge, handle: AsyncJobHandle) -> GenerationResult:
         return result
 
     for name, stand_in in [
@@ -127,7 +129,7 @@ def app_client(monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
     ]:
         monkeypatch.setattr(Bridge, name, stand_in)
     with TestClient(
-        create_app(ServeSettings(), connection=fake_redis()), raise_server_exceptions=False
+        create_app(ServeSettings(), **app_connections()), raise_server_exceptions=False
     ) as client:
         yield client
 

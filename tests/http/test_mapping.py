@@ -9,10 +9,10 @@ import pytest
 
 from producer.client import JobCanceledError, JobFailedError
 from producer.http import anthropic_api, openai_api
-from producer.http.bridge import Replay
 from producer.http.errors import APIError, flavor_of, from_job_failure
 from producer.models import GenerationRequest, GenerationResult
 from producer.openai_shapes.bodies import CHAT_URL, COMPLETIONS_URL
+from producer.outcome import Replay
 from producer.wire.protocol import ErrorCode, StreamEvent
 from tests.batch.test_format import LOGPROBS, RESULT
 

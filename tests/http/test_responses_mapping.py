@@ -17,7 +17,7 @@ from producer.models import GenerationRequest, GenerationResult
 from producer.tenants import key_tenant
 from producer.wire.protocol import StreamEvent
 from tests.http.test_mapping import RESULT, events
-from tests.producer.fakes import fake_redis
+from tests.producer.fakes import app_connections, fake_redis
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 
@@ -191,7 +191,7 @@ def test_records_are_scoped_to_the_api_key_that_made_them() -> None:
     assert scope_of({"type": "http", "headers": []}) == ""  # no keys: one scope
     body = {"id": "resp_a", "object": "response", "output": []}
     records.save_response("resp_a", StoredResponse(owner, "responses:resp_a", body, []))
-    app = create_app(ServeSettings(api_keys=("key-a", "key-b")), connection=redis)
+    app = create_app(ServeSettings(api_keys=("key-a", "key-b")), **app_connections(redis))
     with TestClient(app) as http:
         mine = http.get("/v1/responses/resp_a", headers={"authorization": "Bearer key-a"})
         assert mine.status_code == 200 and mine.json() == body

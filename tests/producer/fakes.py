@@ -29,3 +29,14 @@ def fail_like_rq(
         job.set_status(JobStatus.FAILED, pipeline=pipe)
         Result.create_failure(job, ttl=500, exc_string=exc_string, pipeline=pipe)
         pipe.execute()
+
+
+def fake_async_redis(connection: fakeredis.FakeRedis) -> fakeredis.FakeAsyncRedis:
+    """A redis.asyncio fakeredis client over `connection`'s server (the same data)."""
+    return fakeredis.FakeAsyncRedis(server=connection.connection_pool.connection_kwargs["server"])
+
+
+def app_connections(connection: fakeredis.FakeRedis | None = None) -> dict[str, object]:
+    """create_app's two connections (blocking and asyncio) over one fakeredis server."""
+    connection = connection if connection is not None else fake_redis()
+    return {"connection": connection, "aio_connection": fake_async_redis(connection)}

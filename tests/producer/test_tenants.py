@@ -27,7 +27,7 @@ from producer.models import GenerationRequest
 from producer.tenants import Tenant, key_tenant, tenant_of, tenant_problem
 from producer.wire.ids import MAX_AGENT_ID_LENGTH
 from producer.wire.protocol import ErrorCode, StreamEvent, stream_key
-from tests.producer.fakes import fail_like_rq, fake_redis
+from tests.producer.fakes import app_connections, fail_like_rq, fake_redis
 from tests.producer.test_client import _finish_like_a_worker
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -183,7 +183,7 @@ def test_kvrq_serve_qualifies_every_routes_job_for_the_keys_tenant() -> None:
         api_keys=("sk-a", "sk-b"), key_tenants=(("sk-a", "acme"),), request_timeout_s=0.2
     )
     body = {**CHAT, "prompt_cache_key": "shared", "kvrq": {"fork_from": "src", "namespace": "wide"}}
-    with TestClient(create_app(settings, connection=redis)) as http:
+    with TestClient(create_app(settings, **app_connections(redis))) as http:
         for key in ("sk-a", "sk-b"):
             answer = http.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
             assert answer.status_code == 504  # no worker: the job was enqueued, then timed out
@@ -208,7 +208,7 @@ def test_kvrq_serve_qualifies_every_routes_job_for_the_keys_tenant() -> None:
 @pytest.mark.usefixtures("served")
 def test_an_agent_id_too_long_for_its_tenant_is_400_without_the_tenant() -> None:
     settings = ServeSettings(api_keys=("sk-a",), key_tenants=(("sk-a", "acme"),))
-    with TestClient(create_app(settings, connection=fake_redis())) as http:
+    with TestClient(create_app(settings, **app_connections())) as http:
         answer = http.post(
             "/v1/chat/completions",
             json={**CHAT, "prompt_cache_key": "x" * 199},
