@@ -30,7 +30,6 @@ import builtins
 import contextlib
 import dataclasses
 import random
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -38,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import redis
-from redis.exceptions import DataError, RedisError, ResponseError, WatchError
+from redis.exceptions import RedisError, WatchError
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
@@ -72,6 +71,16 @@ from store.manifest import (
     stored_fence,
     summarize_manifest,
 )
+from store.redis_keys import (
+    RedisKeys,
+    as_blob,
+    join_parts,
+    parse_links,
+    parse_pointer,
+    share_of,
+    split_parts,
+)
+from store.redis_shared import PREFIX_HOLDER, SharedBlocks
 from store.replication import (
     UNREPLICATED_HOLD_S,
     Replication,
@@ -96,20 +105,6 @@ _PIPELINE_BYTES = 64 * 1024 * 1024  # flush a block-writing pipeline every ~64 M
 # Blocks are stored as values of at most 4 MB: a large value holds Redis's single thread (and every other
 # client) for its whole copy, and replication and client buffers handle many moderate values better.
 MAX_VALUE_BYTES = 4_000_000
-# Drops an agent's reference to a shared block and deletes the block if no agent references it, atomically.
-# KEYS: its reference set, its share key's pointer, its values. ARGV: the pointer value naming this
-# version, the agent id ('' to only collect). Runs inside the MULTI that swaps the agent's manifest, so a
-# crash cannot come between the two; also works when Redis is out of memory, where MULTI refuses deletes.
-_RELEASE_SHARED = """
-if ARGV[2] ~= '' then redis.call('SREM', KEYS[1], ARGV[2]) end
-if redis.call('SCARD', KEYS[1]) > 0 then return 0 end
-for i = 3, #KEYS do redis.call('UNLINK', KEYS[i]) end
-if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
-return 1
-"""
-# The prefix hold: a member of a shared block's reference set that no agent id can be ('*' is outside
-# the id rule), so the refcounting that keeps a block while an agent uses it keeps it for prefixes too.
-PREFIX_HOLDER = "*prefix"
 
 
 class RedisStore(BlockBackend):
@@ -164,50 +159,23 @@ class RedisStore(BlockBackend):
             self._client = url  # e.g. a fakeredis client in tests: values are joined before sending
             self._scatter = False
             self._owns_client = False
-        self._index = f"{prefix}index"
-        self._sizes = f"{prefix}sizes"
-        self._links = f"{prefix}links"
-        self._pinned = f"{prefix}pinned"
-        self._prefixes = f"{prefix}prefixes"
-        self._prefix_sizes = f"{prefix}prefix-sizes"
-        self._scripting: bool | None = None  # whether the server runs Lua (fakeredis without lupa does not)
-        self._replication_mark = f"{prefix}replication-mark"
+        self.keys = RedisKeys(prefix)
+        self.shared_blocks = SharedBlocks(self._client, self.keys, self._stats, ttl_s)
         self.failover_budget_s = FAILOVER_BUDGET_S  # how long a replicated put rides a failover
         self._failing = False  # the last replicated put spent its budget: one try each until one succeeds
         self._unreplicated_until = 0.0  # monotonic: until then puts skip the replicas' confirmation
 
-    # --- keys ----------------------------------------------------------------------------------
     def _mkey(self, agent_id: str) -> str:
-        return f"{self.prefix}{agent_key(agent_id)}:m"
-
-    def _bkey(self, agent_id: str, name: str) -> str:
-        return f"{self.prefix}{agent_key(agent_id)}:b:{name}"
-
-    def _part_keys(self, agent_id: str, name: str, nbytes: int, part_bytes: int) -> builtins.list[str]:
-        """The keys of a block's values: `...:b:<name>` (`<prefix>s:<name>` for a shared block),
-        then `:1`, `:2`... appended for the rest."""
-        base = f"{self.prefix}s:{name}" if parse_shared_name(name) else self._bkey(agent_id, name)
-        count = len(part_sizes(nbytes, part_bytes))
-        return [base, *(f"{base}:{index}" for index in range(1, count))]
-
-    def _ref_keys(self, agent_id: str, refs: Sequence[BlockRef], part_bytes: int) -> builtins.list[str]:
-        return [key for ref in refs for key in self._part_keys(agent_id, ref.name, ref.nbytes, part_bytes)]
-
-    def _refs_key(self, name: str) -> str:
-        """Set of the agents whose manifest uses this shared block (its reference count)."""
-        return f"{self.prefix}s:{name}:refs"
-
-    def _pointer_key(self, share: str) -> str:
-        """`<crc32>:<nbytes>` of a stored version of a share key: how other agents find it."""
-        return f"{self.prefix}s:{share}"
+        """The agent's manifest key (tests/fleet reach it by this name)."""
+        return self.keys.manifest(agent_id)
 
     def _backend_errors(self) -> tuple[type[Exception], ...]:
         return (RedisError,)
 
     # --- raw reads -----------------------------------------------------------------------------
     def _read_manifest(self, agent_id: str) -> Blob | None:
-        value = self._client.get(self._mkey(agent_id))
-        return _as_blob(value)
+        value = self._client.get(self.keys.manifest(agent_id))
+        return as_blob(value)
 
     def _fetch_blocks(
         self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
@@ -225,7 +193,7 @@ class RedisStore(BlockBackend):
         requests: builtins.list[tuple[bytes, memoryview]] = []
         last_part: dict[int, int] = {}  # request index -> the block it completes
         for block, (ref, buffer) in enumerate(zip(refs, buffers, strict=True)):
-            keys = self._part_keys(agent_id, ref.name, ref.nbytes, manifest.part_bytes)
+            keys = self.keys.parts(agent_id, ref.name, ref.nbytes, manifest.part_bytes)
             view, offset = buffer.data, 0
             for key, size in zip(keys, part_sizes(ref.nbytes, manifest.part_bytes), strict=True):
                 requests.append((key.encode(), view[offset : offset + size]))
@@ -250,7 +218,7 @@ class RedisStore(BlockBackend):
             elif all(part is True for part in parts):
                 fetched.append((buffers[block].data, crc))
             else:  # a value of another size: the block as stored, which decoding reports as truncated
-                blob = _join_parts(buffers[block], ref.nbytes, manifest.part_bytes, parts)
+                blob = join_parts(buffers[block], ref.nbytes, manifest.part_bytes, parts)
                 fetched.append((blob, crc32(blob)))
         return fetched
 
@@ -263,11 +231,11 @@ class RedisStore(BlockBackend):
             pipe = self._client.pipeline(transaction=False)
             counts = []
             for ref in chunk:
-                keys = self._part_keys(agent_id, ref.name, ref.nbytes, manifest.part_bytes)
+                keys = self.keys.parts(agent_id, ref.name, ref.nbytes, manifest.part_bytes)
                 counts.append(len(keys))
                 for key in keys:
                     pipe.get(key)
-            values = [_as_blob(value) for value in pipe.execute()]
+            values = [as_blob(value) for value in pipe.execute()]
             for count in counts:
                 parts, values = values[:count], values[count:]
                 if any(part is None for part in parts):
@@ -279,22 +247,22 @@ class RedisStore(BlockBackend):
         return fetched
 
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
-        if self.ttl_s is not None and self._client.scard(self._pinned):
-            self._client.zadd(self._index, {agent_id: time.time()}, xx=True)
+        if self.ttl_s is not None and self._client.scard(self.keys.pinned):
+            self._client.zadd(self.keys.index, {agent_id: time.time()}, xx=True)
             blocks = [(ref.name, ref.nbytes) for ref in manifest.blocks]
             self._hold_pinned(agent_id, blocks, manifest.part_bytes, slide=True)
             return
         pipe = self._client.pipeline(transaction=False)
-        pipe.zadd(self._index, {agent_id: time.time()}, xx=True)
+        pipe.zadd(self.keys.index, {agent_id: time.time()}, xx=True)
         if self.ttl_s is not None:  # sliding expiry: the whole cache lives ttl_s past its last use
-            pipe.expire(self._mkey(agent_id), self.ttl_s)
-            for key in self._ref_keys(agent_id, manifest.blocks, manifest.part_bytes):
+            pipe.expire(self.keys.manifest(agent_id), self.ttl_s)
+            for key in self.keys.of_refs(agent_id, manifest.blocks, manifest.part_bytes):
                 pipe.expire(key, self.ttl_s)
             for ref in manifest.blocks:  # a shared block lives ttl_s past its last use by any agent
                 parsed = parse_shared_name(ref.name)
                 if parsed is not None:
-                    pipe.expire(self._refs_key(ref.name), self.ttl_s)
-                    pipe.expire(self._pointer_key(parsed[0]), self.ttl_s)
+                    pipe.expire(self.keys.refs(ref.name), self.ttl_s)
+                    pipe.expire(self.keys.pointer(parsed[0]), self.ttl_s)
         pipe.execute()
 
     def _hold_pinned(
@@ -304,23 +272,23 @@ class RedisStore(BlockBackend):
         it uses, whoever touches them) lose their expiry; with `slide` the others get ttl_s again.
         `agent_id` None: only shared blocks (held for anonymous prefixes)."""
         assert self.ttl_s is not None
-        pinned = {as_text(member) for member in self._client.smembers(self._pinned)}
+        pinned = {as_text(member) for member in self._client.smembers(self.keys.pinned)}
         shared = [(name, nbytes) for name, nbytes in blocks if parse_shared_name(name) is not None]
         pipe = self._client.pipeline(transaction=False)
         for name, _ in shared:
-            pipe.smembers(self._refs_key(name))
+            pipe.smembers(self.keys.refs(name))
         users = pipe.execute()
         held = agent_id in pinned
         groups: builtins.list[tuple[builtins.list[str], bool]] = []
         if agent_id is not None:
-            own = [self._mkey(agent_id)]
+            own = [self.keys.manifest(agent_id)]
             for name, nbytes in blocks:
                 if parse_shared_name(name) is None:
-                    own += self._part_keys(agent_id, name, nbytes, part_bytes)
+                    own += self.keys.parts(agent_id, name, nbytes, part_bytes)
             groups.append((own, held))
         for (name, nbytes), refs in zip(shared, users, strict=True):
-            keys = [*self._part_keys("", name, nbytes, part_bytes), self._refs_key(name)]
-            keys.append(self._pointer_key(name.partition(".")[0]))
+            keys = [*self.keys.parts("", name, nbytes, part_bytes), self.keys.refs(name)]
+            keys.append(self.keys.pointer(share_of(name)))
             groups.append((keys, held or bool(pinned & {as_text(user) for user in refs})))
         pipe = self._client.pipeline(transaction=False)
         for keys, keep in groups:
@@ -333,7 +301,7 @@ class RedisStore(BlockBackend):
 
     def _stored_refs(self, agent_id: str) -> tuple[builtins.list[tuple[str, int]], int] | None:
         """(block name, bytes) of the agent's stored cache and its part size; no model needed."""
-        blob = _as_blob(self._client.get(self._mkey(agent_id)))
+        blob = as_blob(self._client.get(self.keys.manifest(agent_id)))
         if blob is None:
             return None
         try:
@@ -343,7 +311,7 @@ class RedisStore(BlockBackend):
         return list(summary.blocks), summary.part_bytes
 
     def _after_put(self, handle: str, nbytes: int) -> None:
-        if self.ttl_s is not None and self._client.scard(self._pinned):
+        if self.ttl_s is not None and self._client.scard(self.keys.pinned):
             stored = self._stored_refs(handle)  # the commit gave every key ttl_s
             if stored is not None:
                 self._hold_pinned(handle, *stored)
@@ -353,13 +321,13 @@ class RedisStore(BlockBackend):
         stored = self._stored_refs(agent_id)
         if stored is None:
             return False
-        self._client.sadd(self._pinned, agent_id)
+        self._client.sadd(self.keys.pinned, agent_id)
         if self.ttl_s is not None:
             self._hold_pinned(agent_id, *stored)
         return True
 
     def _unpin(self, agent_id: str) -> bool:
-        if not self._client.srem(self._pinned, agent_id):
+        if not self._client.srem(self.keys.pinned, agent_id):
             return False
         stored = self._stored_refs(agent_id)
         if stored is not None and self.ttl_s is not None:
@@ -388,7 +356,7 @@ class RedisStore(BlockBackend):
         if time.monotonic() < self._unreplicated_until:
             self._stats.add("puts_unconfirmed")
             return self._put(agent_id, cache, fence, namespace) is not None
-        mkey = self._mkey(agent_id)
+        mkey = self.keys.manifest(agent_id)
         written: bytes | None = None
         failure, unconfirmed = "no try", 0
         budget = 0.0 if self._failing else self.failover_budget_s
@@ -399,7 +367,7 @@ class RedisStore(BlockBackend):
                     written = self._put(agent_id, cache, fence, namespace)
                     if written is None:
                         return False  # stale: a later turn's cache is stored
-                found = confirm(self._client, mkey, self._replication_mark, replication)
+                found = confirm(self._client, mkey, self.keys.replication_mark, replication)
             except REDIS_DOWN as exc:
                 failure = f"{type(exc).__name__}: {exc}"
                 continue
@@ -432,7 +400,7 @@ class RedisStore(BlockBackend):
     def _put(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bytes | None:
         """Write the cache's blocks and commit its manifest under the fence; the manifest as stored,
         or None when the put is stale."""
-        mkey = self._mkey(agent_id)
+        mkey = self.keys.manifest(agent_id)
         plan: WritePlan | None = None
         linked: builtins.list[NewBlock] = []
         attempts = 0
@@ -441,7 +409,7 @@ class RedisStore(BlockBackend):
                 self._stats.add("put_retries")
             with self._client.pipeline(transaction=True) as tx:
                 tx.watch(mkey)
-                current = _as_blob(tx.get(mkey))
+                current = as_blob(tx.get(mkey))
                 # Compared under WATCH: a writer that swaps the manifest in meanwhile aborts our EXEC.
                 new_fence = self._fence_for(agent_id, fence, stored_fence(current))
                 if new_fence is None:
@@ -487,7 +455,7 @@ class RedisStore(BlockBackend):
             key
             for name, nbytes in summary.blocks
             if parse_shared_name(name) is None
-            for key in self._part_keys(agent_id, name, nbytes, summary.part_bytes)
+            for key in self.keys.parts(agent_id, name, nbytes, summary.part_bytes)
         ]
         shared = [
             BlockRef(name, "", 0, nbytes, parsed[1])
@@ -505,7 +473,7 @@ class RedisStore(BlockBackend):
         shared = [ref for ref in manifest.blocks if parse_shared_name(ref.name)]
         if not shared:
             return True
-        keys = self._ref_keys(agent_id, shared, manifest.part_bytes)
+        keys = self.keys.of_refs(agent_id, shared, manifest.part_bytes)
         tx.watch(*keys)
         return bool(tx.exists(*keys) == len(keys))
 
@@ -524,7 +492,7 @@ class RedisStore(BlockBackend):
     def _blocks_exist(self, tx: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
         """Whether every value of these blocks exists; under WATCH they then survive until EXEC
         (only commits, which touch the watched manifest, delete committed blocks)."""
-        keys = self._ref_keys(agent_id, refs, self.part_bytes)
+        keys = self.keys.of_refs(agent_id, refs, self.part_bytes)
         return not keys or tx.exists(*keys) == len(keys)
 
     def _value(self, parts: Sequence[bytes | memoryview]) -> Any:
@@ -548,7 +516,7 @@ class RedisStore(BlockBackend):
             for block in plan.new_blocks:
                 if any(block is stored for stored in linked):
                     continue
-                keys = self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
+                keys = self.keys.parts(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
                 values = split_parts(block.encoded.parts(), self.part_bytes)
                 shared = block.share is not None
                 for key, value in zip(keys, values, strict=True):
@@ -575,12 +543,12 @@ class RedisStore(BlockBackend):
             return []
         pipe = self._client.pipeline(transaction=False)
         for block in shared:
-            pipe.exists(*self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes))
+            pipe.exists(*self.keys.parts(agent_id, block.name, block.encoded.nbytes, self.part_bytes))
         counts = pipe.execute()
         return [
             block
             for block, count in zip(shared, counts, strict=True)
-            if count == len(self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes))
+            if count == len(self.keys.parts(agent_id, block.name, block.encoded.nbytes, self.part_bytes))
         ]
 
     def _commit(
@@ -599,162 +567,44 @@ class RedisStore(BlockBackend):
         old_own, old_shared, old_part_bytes = self._stored_blocks(agent_id, current)
         own = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is None]
         shared = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is not None]
-        own_keys = self._ref_keys(agent_id, own, manifest.part_bytes)
-        written = set(self._ref_keys(agent_id, [block.ref() for block in plan.new_blocks], self.part_bytes))
+        own_keys = self.keys.of_refs(agent_id, own, manifest.part_bytes)
+        written = set(
+            self.keys.of_refs(agent_id, [block.ref() for block in plan.new_blocks], self.part_bytes)
+        )
         keeps = set(own_keys)
         stale = [key for key in old_own if key not in keeps]
         names = {ref.name for ref in shared}
         released = [(ref, old_part_bytes) for ref in old_shared if ref.name not in names]
         own_bytes = manifest.block_bytes - sum(ref.nbytes for ref in shared) + len(manifest_blob)
-        scripted = self._supports_scripts()
+        scripted = self.shared_blocks.supports_scripts()
         tx.multi()
-        tx.set(self._mkey(agent_id), manifest_blob, ex=self.ttl_s)
+        tx.set(self.keys.manifest(agent_id), manifest_blob, ex=self.ttl_s)
         for key in own_keys:
-            self._queue_expiry(tx, key, persist=key in written)
+            self.shared_blocks.queue_expiry(tx, key, persist=key in written)
         for ref in shared:
-            self._queue_link(tx, agent_id, ref, manifest.part_bytes)
+            self.shared_blocks.queue_link(tx, agent_id, ref, manifest.part_bytes)
         if stale:
             tx.unlink(*stale)
         self._queue_usage(tx, agent_id, own_bytes, shared)
-        self._queue_release(tx, agent_id, released, scripted)
+        self.shared_blocks.queue_release(tx, agent_id, released, scripted)
         results = tx.execute()  # the EXEC: WatchError if another writer swapped the manifest meanwhile
-        return self._left_to_collect(released, results, scripted)
-
-    def _queue_expiry(self, tx: Any, key: str, *, persist: bool) -> None:
-        """A committed value's expiry: the agent TTL when there is one; otherwise none, where `persist`
-        says the value may still carry a provisional expiry (PERSIST drops it)."""
-        if self.ttl_s is not None:
-            tx.expire(key, self.ttl_s)
-        elif persist:
-            tx.persist(key)
-
-    def _queue_link(self, tx: Any, agent_id: str, ref: BlockRef, part_bytes: int) -> None:
-        """Take the agent's reference on a shared block: its values adopted (ours or another writer's
-        provisional ones), the agent added to its reference set, its pointer set unless one exists."""
-        for key in self._part_keys(agent_id, ref.name, ref.nbytes, part_bytes):
-            self._queue_expiry(tx, key, persist=True)
-        tx.sadd(self._refs_key(ref.name), agent_id)
-        share = ref.name.partition(".")[0]
-        tx.set(self._pointer_key(share), f"{ref.crc32:08x}:{ref.nbytes}", nx=True, ex=self.ttl_s)
-        self._queue_expiry(tx, self._refs_key(ref.name), persist=False)
+        return self.shared_blocks.left_to_collect(released, results, scripted)
 
     def _queue_usage(self, tx: Any, agent_id: str, own_bytes: int, shared: Sequence[BlockRef]) -> None:
         """Index, sizes (the agent's own bytes) and links (the shared blocks it uses) for budgets."""
-        tx.zadd(self._index, {agent_id: time.time()})
-        tx.hset(self._sizes, agent_id, own_bytes)
+        tx.zadd(self.keys.index, {agent_id: time.time()})
+        tx.hset(self.keys.sizes, agent_id, own_bytes)
         if shared:
-            tx.hset(self._links, agent_id, ",".join(f"{ref.name}:{ref.nbytes}" for ref in shared))
+            tx.hset(self.keys.links, agent_id, ",".join(f"{ref.name}:{ref.nbytes}" for ref in shared))
         else:
-            tx.hdel(self._links, agent_id)
-
-    def _queue_release(
-        self, tx: Any, agent_id: str, released: Sequence[tuple[BlockRef, int]], scripted: bool
-    ) -> None:
-        """Queue, last in the MULTI, dropping the agent's references to `released`; with scripting a
-        block left unused is deleted in the same transaction."""
-        for ref, part_bytes in released:
-            if scripted:
-                keys, pointer = self._release_keys(ref, part_bytes)
-                tx.eval(_RELEASE_SHARED, len(keys), *keys, pointer, agent_id)
-            else:
-                tx.srem(self._refs_key(ref.name), agent_id)
-
-    def _left_to_collect(
-        self, released: Sequence[tuple[BlockRef, int]], results: builtins.list[Any], scripted: bool
-    ) -> builtins.list[tuple[BlockRef, int]]:
-        """After the EXEC: the released blocks _collect_shared must still check and delete (all of them
-        without scripting; none with it, where the scripts' own collections are counted here)."""
-        if not scripted:
-            return list(released)
-        if released:
-            self._stats.add("shared_collected", sum(int(r) for r in results[-len(released) :]))
-        return []
-
-    def _release_keys(self, ref: BlockRef, part_bytes: int) -> tuple[builtins.list[str], str]:
-        share = ref.name.partition(".")[0]
-        keys = [
-            self._refs_key(ref.name),
-            self._pointer_key(share),
-            *self._part_keys("", ref.name, ref.nbytes, part_bytes),
-        ]
-        return keys, f"{ref.crc32:08x}:{ref.nbytes}"
-
-    def _supports_scripts(self) -> bool:
-        if self._scripting is None:
-            try:
-                self._client.eval("return 1", 0)
-                self._scripting = True
-            except ResponseError as exc:
-                if "unknown command" not in str(exc).lower():
-                    raise
-                self._scripting = False
-        return self._scripting
+            tx.hdel(self.keys.links, agent_id)
 
     def _collect_shared(self, released: Sequence[tuple[BlockRef, int]]) -> None:
-        """Delete the shared blocks no agent references any more (and their pointer if it names them).
-
-        Each check-and-delete is atomic (the release script; WATCH/MULTI where the server runs no
-        scripts): an agent adopting the block at the same moment either commits first (the block
-        stays) or finds it gone under its own WATCH and writes it again.
-        """
-        for ref, part_bytes in released:
-            if parse_shared_name(ref.name) is None:
-                continue
-            keys, pointer = self._release_keys(ref, part_bytes)
-            try:
-                collected = self._collect_one(keys, pointer)
-            except RedisError as exc:
-                log.warning("redis: could not collect shared block %s: %r", ref.name, exc)
-                continue
-            if collected:
-                self._stats.add("shared_collected")
-
-    def _collect_one(self, keys: builtins.list[str], pointer: str) -> bool:
-        if self._supports_scripts():
-            return bool(self._client.eval(_RELEASE_SHARED, len(keys), *keys, pointer, ""))
-        refs_key, pointer_key, *values = keys
-        try:
-            with self._client.pipeline(transaction=True) as tx:
-                tx.watch(*keys)
-                if tx.scard(refs_key):
-                    return False
-                names_it = tx.get(pointer_key) == pointer.encode()
-                tx.multi()
-                tx.unlink(*values)
-                if names_it:
-                    tx.delete(pointer_key)
-                tx.execute()
-        except WatchError:
-            return False  # someone touched it meanwhile: it is in use again
-        return True
+        """Delete the shared blocks no agent references any more (store/redis_shared.py)."""
+        self.shared_blocks.collect(released)
 
     def collect_shared_garbage(self) -> int:
-        """Collect every committed shared block no agent references (left by a damaged manifest, or a
-        writer killed between its EXEC and a collection on a server without scripting). Returns how
-        many were removed. Scans the keyspace: for maintenance, not for every put."""
-        shape = re.compile(re.escape(self.prefix) + r"s:([0-9a-f]{32}\.[0-9a-f]{8})(?::(\d+))?")
-        parts: dict[str, builtins.list[str]] = {}
-        for raw in self._client.scan_iter(match=f"{self.prefix}s:*", count=1000):
-            key = raw.decode() if isinstance(raw, bytes) else str(raw)
-            match = shape.fullmatch(key)
-            if match is not None:
-                parts.setdefault(match.group(1), []).append(key)
-        before = self._stats.snapshot().get("shared_collected", 0)
-        for name, keys in parts.items():
-            base = f"{self.prefix}s:{name}"
-            if base not in keys or self._client.pttl(base) != -1 or self._client.exists(self._refs_key(name)):
-                continue  # provisional (a put in flight), or in use
-            nbytes = sum(int(self._client.strlen(key)) for key in keys)
-            crc = int(name.partition(".")[2], 16)
-            ref = BlockRef(name, "", 0, nbytes, crc)
-            refs_key, pointer_key = self._refs_key(name), self._pointer_key(name.partition(".")[0])
-            pointer = f"{crc:08x}:{nbytes}"
-            try:
-                if self._collect_one([refs_key, pointer_key, *sorted(keys)], pointer):
-                    self._stats.add("shared_collected")
-            except RedisError as exc:
-                log.warning("redis: could not collect shared block %s: %r", ref.name, exc)
-        return self._stats.snapshot().get("shared_collected", 0) - before
+        return self.shared_blocks.collect_garbage()
 
     def _discard(self, agent_id: str, plan: WritePlan) -> None:
         """Delete the new blocks of a plan that will not be committed: the agent's own ones, and the
@@ -763,13 +613,20 @@ class RedisStore(BlockBackend):
             key
             for block in plan.new_blocks
             if block.share is None
-            for key in self._part_keys(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
+            for key in self.keys.parts(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
         ]
         if keys:
             self._client.unlink(*keys)
         self._collect_shared([(block.ref(), self.part_bytes) for block in plan.new_blocks if block.share])
 
     # --- shared blocks of other agents ---------------------------------------------------------
+    def _find_versions(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int] | None]:
+        """One pipelined GET of the share keys' pointers."""
+        pipe = self._client.pipeline(transaction=False)
+        for share in shares:
+            pipe.get(self.keys.pointer(share))
+        return [parse_pointer(share, value) for share, value in zip(shares, pipe.execute(), strict=True)]
+
     def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
         return self._fetch_blocks(manifest.agent_id, manifest, manifest.blocks)
 
@@ -795,7 +652,7 @@ class RedisStore(BlockBackend):
                 blocks.append(found)
             self._send_prefix_blocks([(encoded[i], blocks[i][0]) for i in sorted(set(encoded) - sent)])
             sent = set(encoded)
-            keys = [self._part_keys("", name, nbytes, self.part_bytes) for name, nbytes, _crc in blocks]
+            keys = [self.keys.parts("", name, nbytes, self.part_bytes) for name, nbytes, _crc in blocks]
             with self._client.pipeline(transaction=True) as tx:
                 tx.watch(*(key for block_keys in keys for key in block_keys))
                 missing = self._missing(keys)
@@ -807,39 +664,25 @@ class RedisStore(BlockBackend):
                     continue
                 tx.multi()
                 for index, (name, nbytes, crc) in enumerate(blocks):
-                    self._queue_prefix_hold(tx, name, nbytes, crc, keys[index], index in encoded)
-                    tx.zadd(self._prefixes, {name: prefix_recency(now, index)})
-                    tx.hset(self._prefix_sizes, name, f"{nbytes}:{self.part_bytes}")
+                    self.shared_blocks.queue_prefix_hold(tx, name, nbytes, crc, keys[index], index in encoded)
+                    tx.zadd(self.keys.prefixes, {name: prefix_recency(now, index)})
+                    tx.hset(self.keys.prefix_sizes, name, f"{nbytes}:{self.part_bytes}")
                 try:
                     tx.execute()
                 except WatchError:
                     continue
-            if self.ttl_s is not None and self._client.scard(self._pinned):
+            if self.ttl_s is not None and self._client.scard(self.keys.pinned):
                 self._hold_pinned(None, [(name, nbytes) for name, nbytes, _ in blocks], self.part_bytes)
             written = sum(encoded[i].nbytes for i in encoded)
             return PrefixWrite(held=len(shares) - len(encoded), written=len(encoded), bytes_written=written)
         raise StoreError(f"put_prefix of {len(shares)} blocks kept losing races with other writers")
-
-    def _find_versions(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int] | None]:
-        """(name, nbytes, crc32) of each share key's stored version, None where there is none."""
-        pipe = self._client.pipeline(transaction=False)
-        for share in shares:
-            pipe.get(self._pointer_key(share))
-        found: builtins.list[tuple[str, int, int] | None] = []
-        for share, value in zip(shares, pipe.execute(), strict=True):
-            try:
-                crc_hex, nbytes = bytes(value).decode().split(":")
-                found.append((shared_name(share, int(crc_hex, 16)), int(nbytes), int(crc_hex, 16)))
-            except (TypeError, ValueError):
-                found.append(None)
-        return found
 
     def _send_prefix_blocks(self, blocks: Sequence[tuple[EncodedBlock, str]]) -> None:
         """SET the values of new shared blocks where absent (NX), on the provisional expiry."""
         pipe = self._client.pipeline(transaction=False)
         queued = 0
         for block, name in blocks:
-            keys = self._part_keys("", name, block.nbytes, self.part_bytes)
+            keys = self.keys.parts("", name, block.nbytes, self.part_bytes)
             for key, value in zip(keys, split_parts(block.parts(), self.part_bytes), strict=True):
                 pipe.set(key, self._value(value), px=PENDING_TTL_MS, nx=True)
             queued += block.nbytes
@@ -856,43 +699,31 @@ class RedisStore(BlockBackend):
         counts = pipe.execute()
         return [i for i, (block_keys, n) in enumerate(zip(keys, counts, strict=True)) if n != len(block_keys)]
 
-    def _queue_prefix_hold(
-        self, tx: Any, name: str, nbytes: int, crc: int, keys: Sequence[str], wrote: bool
-    ) -> None:
-        """In the MULTI: the prefix's reference on a shared block, its values adopted, its pointer set
-        (replacing a stale one when this put wrote the block, else only where there is none)."""
-        for key in keys:
-            self._queue_expiry(tx, key, persist=True)
-        tx.sadd(self._refs_key(name), PREFIX_HOLDER)
-        self._queue_expiry(tx, self._refs_key(name), persist=False)
-        pointer = self._pointer_key(name.partition(".")[0])
-        tx.set(pointer, f"{crc:08x}:{nbytes}", nx=not wrote, ex=self.ttl_s)
-
     def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
         pipe = self._client.pipeline(transaction=False)
         pipe.zadd(
-            self._prefixes, {name: prefix_recency(now, i) for i, (name, _) in enumerate(blocks)}, xx=True
+            self.keys.prefixes, {name: prefix_recency(now, i) for i, (name, _) in enumerate(blocks)}, xx=True
         )
         if self.ttl_s is not None:  # like an agent's: the prefix lives ttl_s past its last use
             for name, nbytes in blocks:
-                for key in self._part_keys("", name, nbytes, self.part_bytes):
+                for key in self.keys.parts("", name, nbytes, self.part_bytes):
                     pipe.expire(key, self.ttl_s)
-                pipe.expire(self._refs_key(name), self.ttl_s)
-                pipe.expire(self._pointer_key(name.partition(".")[0]), self.ttl_s)
+                pipe.expire(self.keys.refs(name), self.ttl_s)
+                pipe.expire(self.keys.pointer(share_of(name)), self.ttl_s)
         pipe.execute()
-        if self.ttl_s is not None and self._client.scard(self._pinned):
+        if self.ttl_s is not None and self._client.scard(self.keys.pinned):
             self._hold_pinned(None, blocks, self.part_bytes)
 
     def _prefix_entries(self) -> builtins.list[PrefixEntry]:
-        members: Any = self._client.zrange(self._prefixes, 0, -1, withscores=True)
+        members: Any = self._client.zrange(self.keys.prefixes, 0, -1, withscores=True)
         if not members:
             return []
         names = [as_text(member) for member, _ in members]
         pipe = self._client.pipeline(transaction=False)
-        pipe.hmget(self._prefix_sizes, names)
+        pipe.hmget(self.keys.prefix_sizes, names)
         for name in names:
-            pipe.scard(self._refs_key(name))
-            pipe.sismember(self._refs_key(name), PREFIX_HOLDER)
+            pipe.scard(self.keys.refs(name))
+            pipe.sismember(self.keys.refs(name), PREFIX_HOLDER)
         sizes, *counts = pipe.execute()
         entries = []
         for index, (name, (_member, score)) in enumerate(zip(names, members, strict=True)):
@@ -905,10 +736,9 @@ class RedisStore(BlockBackend):
         """Drop the hold and collect the block by the release every agent's commit uses (atomic: the
         block goes only if its reference set is then empty). An agent that links it between the check
         here and the release keeps it: the prefix only loses its hold."""
-        parsed = parse_shared_name(entry.name)
-        if parsed is None:
+        if parse_shared_name(entry.name) is None:
             return False
-        refs_key = self._refs_key(entry.name)
+        refs_key = self.keys.refs(entry.name)
         pipe = self._client.pipeline(transaction=False)
         pipe.scard(refs_key)
         pipe.sismember(refs_key, PREFIX_HOLDER)
@@ -916,16 +746,10 @@ class RedisStore(BlockBackend):
         if int(users) - int(held) > 0:
             return False  # an agent links it: the agents' budget decides
         pipe = self._client.pipeline(transaction=False)
-        pipe.zrem(self._prefixes, entry.name)
-        pipe.hdel(self._prefix_sizes, entry.name)
+        pipe.zrem(self.keys.prefixes, entry.name)
+        pipe.hdel(self.keys.prefix_sizes, entry.name)
         pipe.execute()
-        keys, pointer = self._release_keys(
-            BlockRef(entry.name, "", 0, entry.nbytes, parsed[1]), entry.part_bytes
-        )
-        if self._supports_scripts():
-            return bool(self._client.eval(_RELEASE_SHARED, len(keys), *keys, pointer, PREFIX_HOLDER))
-        self._client.srem(refs_key, PREFIX_HOLDER)
-        return self._collect_one(keys, pointer)
+        return self.shared_blocks.release_hold(entry.name, entry.nbytes, entry.part_bytes)
 
     # --- delete, list, info, budgets -----------------------------------------------------------
     def _handle(self, agent_id: str) -> str:
@@ -936,28 +760,28 @@ class RedisStore(BlockBackend):
 
     def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
         """Delete the agent (if `only_if` is given: only while its manifest holds those bytes)."""
-        mkey = self._mkey(handle)
+        mkey = self.keys.manifest(handle)
         for _attempt in race_attempts():
             with self._client.pipeline(transaction=True) as tx:
                 tx.watch(mkey)
-                blob = _as_blob(tx.get(mkey))
+                blob = as_blob(tx.get(mkey))
                 if only_if is not None and (blob is None or bytes(blob) != only_if):
                     return False
                 keys, shared, part_bytes = self._stored_blocks(handle, blob)
-                scripted = self._supports_scripts()
+                scripted = self.shared_blocks.supports_scripts()
                 tx.multi()
                 tx.unlink(mkey, *keys)
-                tx.zrem(self._index, handle)
-                tx.hdel(self._sizes, handle)
-                tx.hdel(self._links, handle)
-                tx.srem(self._pinned, handle)
+                tx.zrem(self.keys.index, handle)
+                tx.hdel(self.keys.sizes, handle)
+                tx.hdel(self.keys.links, handle)
+                tx.srem(self.keys.pinned, handle)
                 released = [(ref, part_bytes) for ref in shared]
-                self._queue_release(tx, handle, released, scripted)
+                self.shared_blocks.queue_release(tx, handle, released, scripted)
                 try:
                     results = tx.execute()  # the EXEC
                 except WatchError:
                     continue
-            self._collect_shared(self._left_to_collect(released, results, scripted))
+            self._collect_shared(self.shared_blocks.left_to_collect(released, results, scripted))
             if blob is not None and not keys and not shared:
                 self._sweep(handle)  # damaged manifest: find the agent's permanent blocks by pattern
             return blob is not None
@@ -975,27 +799,27 @@ class RedisStore(BlockBackend):
 
     def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
         pipe = self._client.pipeline(transaction=False)
-        pipe.get(self._mkey(agent_id))
-        pipe.zscore(self._index, agent_id)
-        pipe.sismember(self._pinned, agent_id)
+        pipe.get(self.keys.manifest(agent_id))
+        pipe.zscore(self.keys.index, agent_id)
+        pipe.sismember(self.keys.pinned, agent_id)
         value, score, pinned = pipe.execute()
-        blob = _as_blob(value)
+        blob = as_blob(value)
         if blob is None:
             return None
         return blob, float(score) if score is not None else 0.0, bool(pinned)
 
     def _usage(self) -> builtins.list[Usage]:
         """Indexed agents whose manifest still exists; entries of expired ones are dropped here."""
-        members: Any = self._client.zrange(self._index, 0, -1, withscores=True)
+        members: Any = self._client.zrange(self.keys.index, 0, -1, withscores=True)
         if not members:
             return []
         ids = [member.decode() if isinstance(member, bytes) else str(member) for member, _ in members]
         pipe = self._client.pipeline(transaction=False)
         for agent_id in ids:
-            pipe.exists(self._mkey(agent_id))
-        pipe.hmget(self._sizes, ids)
-        pipe.hmget(self._links, ids)
-        pipe.smembers(self._pinned)
+            pipe.exists(self.keys.manifest(agent_id))
+        pipe.hmget(self.keys.sizes, ids)
+        pipe.hmget(self.keys.links, ids)
+        pipe.smembers(self.keys.pinned)
         *exists, sizes, links, pinned_ids = pipe.execute()
         pinned = {as_text(member) for member in pinned_ids}
         usage, gone = [], []
@@ -1003,7 +827,7 @@ class RedisStore(BlockBackend):
             ids, members, exists, sizes, links, strict=True
         ):
             if present:
-                shared = _parse_links(linked)
+                shared = parse_links(linked)
                 usage.append(
                     Usage(agent_id, agent_id, int(size or 0), float(score), shared, agent_id in pinned)
                 )
@@ -1011,26 +835,16 @@ class RedisStore(BlockBackend):
                 gone.append(agent_id)
         if gone:
             pipe = self._client.pipeline(transaction=False)
-            pipe.zrem(self._index, *gone)
-            pipe.hdel(self._sizes, *gone)
-            pipe.hdel(self._links, *gone)
-            pipe.srem(self._pinned, *gone)
+            pipe.zrem(self.keys.index, *gone)
+            pipe.hdel(self.keys.sizes, *gone)
+            pipe.hdel(self.keys.links, *gone)
+            pipe.srem(self.keys.pinned, *gone)
             pipe.execute()
         return usage
 
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
-
-
-def _parse_links(value: bytes | str | None) -> tuple[tuple[str, int], ...]:
-    """A `links` entry: the (name, bytes) of the shared blocks an agent uses (none for a store
-    written before links were kept, whose `sizes` then counted them as its own)."""
-    if not value:
-        return ()
-    text = value.decode() if isinstance(value, bytes) else value
-    pairs = (item.rpartition(":") for item in text.split(","))
-    return tuple((name, int(nbytes)) for name, _, nbytes in pairs)
 
 
 def race_attempts(budget_s: float | None = None) -> Iterator[int]:
@@ -1056,42 +870,3 @@ def _chunks(refs: Sequence[BlockRef], max_bytes: int) -> Iterator[Sequence[Block
             start, size = index + 1, 0
     if start < len(refs):
         yield refs[start:]
-
-
-def split_parts(
-    parts: Sequence[bytes | memoryview], part_bytes: int
-) -> builtins.list[builtins.list[memoryview]]:
-    """A blob given as buffers, cut into consecutive values of at most `part_bytes` (views, no copy)."""
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
-    if part_bytes <= 0:
-        return [views]
-    values: builtins.list[builtins.list[memoryview]] = [[]]
-    room = part_bytes
-    for view in views:
-        while len(view):
-            if room == 0:
-                values.append([])
-                room = part_bytes
-            piece, view = view[:room], view[room:]
-            values[-1].append(piece)
-            room -= len(piece)
-    return values
-
-
-def _join_parts(
-    buffer: np.ndarray, nbytes: int, part_bytes: int, parts: Sequence[bool | bytes | None]
-) -> bytes:
-    """A block whose values did not all have their recorded sizes, joined as stored."""
-    pieces: builtins.list[bytes] = []
-    offset = 0
-    for size, part in zip(part_sizes(nbytes, part_bytes), parts, strict=True):
-        pieces.append(buffer[offset : offset + size].tobytes() if part is True else bytes(part or b""))
-        offset += size
-    return b"".join(pieces)
-
-
-def _as_blob(value: object) -> Blob | None:
-    """A GET reply as a blob (the client never decodes replies, so it is bytes or None)."""
-    if value is None or isinstance(value, bytes | bytearray | memoryview):
-        return value
-    raise DataError(f"Redis returned a {type(value).__name__}, not bytes")

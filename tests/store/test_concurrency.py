@@ -107,4 +107,4 @@ def test_two_processes_on_redis(redis_url: str) -> None:
     stored = redis_value_keys(client, "conc:", persistent_only=True)
     # Own blocks of aborted attempts are deleted by their writer, shared ones left on their provisional
     # expiry, and shared blocks no manifest uses collected: nothing else may stay.
-    assert stored == set(store._ref_keys(AGENT, manifest.blocks, manifest.part_bytes))
+    assert stored == set(store.keys.of_refs(AGENT, manifest.blocks, manifest.part_bytes))

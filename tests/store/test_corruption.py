@@ -35,7 +35,7 @@ class Raw:
     def manifest_location(self) -> Location:
         if isinstance(self.store, DiskStore):
             return self.store._agent_dir(self.agent_id) / MANIFEST
-        return self.store._mkey(self.agent_id)
+        return self.store.keys.manifest(self.agent_id)
 
     def block_locations(self) -> list[Location]:
         manifest = self.store.read_manifest(self.agent_id)
@@ -44,7 +44,7 @@ class Raw:
             blocks = self.store._agent_dir(self.agent_id) / "blocks"
             return [blocks / f"{ref.name}.safetensors" for ref in manifest.blocks]
         return [  # each tiny block is one value
-            self.store._part_keys(self.agent_id, ref.name, ref.nbytes, manifest.part_bytes)[0]
+            self.store.keys.parts(self.agent_id, ref.name, ref.nbytes, manifest.part_bytes)[0]
             for ref in manifest.blocks
         ]
 
@@ -176,7 +176,7 @@ def test_unreadable_redis_value_of_another_type_is_a_miss(caplog: pytest.LogCapt
     spec = tiny_spec()
     store = RedisStore(fakeredis.FakeRedis(), spec)
     store.put(AGENT, make_cache(spec, tokens(40)))
-    key = store._mkey(AGENT)
+    key = store.keys.manifest(AGENT)
     store._client.delete(key)
     store._client.hset(key, "x", "y")  # GET now answers WRONGTYPE
     with caplog.at_level(logging.WARNING, logger="kvrq.store"):

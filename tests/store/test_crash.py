@@ -105,7 +105,7 @@ def _stray(kind: str, location: str, *, put_first: bool = True, pending_too: boo
             return stray
         assert isinstance(backend, RedisStore)
         client = backend._client
-        referenced = set(backend._ref_keys(AGENT, manifest.blocks, manifest.part_bytes))
+        referenced = set(backend.keys.of_refs(AGENT, manifest.blocks, manifest.part_bytes))
         keys = redis_value_keys(client, REDIS_PREFIX, persistent_only=not pending_too)
         return sorted(keys - referenced)
     finally:
@@ -223,7 +223,7 @@ def test_a_full_redis_fails_the_put_and_keeps_the_previous_cache(own_redis_serve
     assert_same_cache(fresh.get("a"), previous)
     manifest = fresh.read_manifest("a")
     assert manifest is not None
-    referenced = set(fresh._ref_keys("a", manifest.blocks, manifest.part_bytes))
+    referenced = set(fresh.keys.of_refs("a", manifest.blocks, manifest.part_bytes))
     stray = redis_value_keys(client, "full:", persistent_only=True) - referenced
     assert stray == set()  # the failed put removed the blocks it had written
     other = make_cache(spec, tokens(50, seed=2))

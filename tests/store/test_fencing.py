@@ -94,7 +94,7 @@ def test_a_manifest_without_a_fence_reads_as_fence_zero(backend_factory: Factory
     if isinstance(store, DiskStore):
         (store._agent_dir("a") / MANIFEST).write_bytes(old)
     else:
-        store._client.set(store._mkey("a"), old)
+        store._client.set(store.keys.manifest("a"), old)
     reread = store.read_manifest("a")
     assert reread is not None and reread.fence == 0
     assert_same_cache(store.get("a"), cache)

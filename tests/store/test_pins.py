@@ -107,7 +107,7 @@ def test_delete_removes_an_agents_blocks_and_leaves_shared_ones_to_their_other_u
     else:
         assert isinstance(store, RedisStore)
         assert list(store._client.scan_iter(match=f"{store.prefix}{agent_key('first')}:*")) == []
-        assert not store._client.sismember(store._pinned, "first")
+        assert not store._client.sismember(store.keys.pinned, "first")
 
 
 def test_pin_needs_a_stored_agent_and_a_valid_id(opener: Opener) -> None:

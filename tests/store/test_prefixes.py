@@ -184,7 +184,7 @@ def _corrupt_shared_block(backend: BlockBackend, name: str, nbytes: int) -> None
             f.write(bytes([byte[0] ^ 1]))
         return
     assert isinstance(backend, RedisStore)
-    key = backend._part_keys("", name, nbytes, backend.part_bytes)[0]
+    key = backend.keys.parts("", name, nbytes, backend.part_bytes)[0]
     value = bytearray(backend._client.get(key))  # type: ignore[arg-type]
     value[-5] ^= 1
     backend._client.set(key, bytes(value))
@@ -284,7 +284,7 @@ def test_concurrent_put_prefix_from_two_processes_keeps_one_copy(
         assert {entry.agents for entry in backend._prefix_entries()} == {0}
         if isinstance(backend, RedisStore):
             for entry in backend._prefix_entries():
-                assert backend._client.smembers(backend._refs_key(entry.name)) == {PREFIX_HOLDER.encode()}
+                assert backend._client.smembers(backend.keys.refs(entry.name)) == {PREFIX_HOLDER.encode()}
             assert redis_value_keys(backend._client, "race:", persistent_only=True) == redis_value_keys(
                 backend._client, "race:"
             )  # every value adopted: none left on its provisional expiry

@@ -69,7 +69,7 @@ def test_a_put_that_loses_every_race_fails_after_its_budget_and_leaves_no_blocks
     manifest = rival.read_manifest(AGENT)
     assert manifest is not None
     stored = redis_value_keys(rival._client, rival.prefix)
-    assert stored == set(rival._ref_keys(AGENT, manifest.blocks, manifest.part_bytes))  # ours were removed
+    assert stored == set(rival.keys.of_refs(AGENT, manifest.blocks, manifest.part_bytes))  # ours were removed
 
 
 def test_race_attempts_make_the_minimum_even_with_no_budget_then_stop() -> None:

@@ -59,9 +59,9 @@ def test_values_open_with_the_safetensors_library(redis_url: str) -> None:
         assert isinstance(data, bytes)
         return data
 
-    assert st_load(value(store._mkey("a")))["token_ids"].tolist() == cache.token_ids
+    assert st_load(value(store.keys.manifest("a")))["token_ids"].tolist() == cache.token_ids
     for ref, block in zip(manifest.blocks, cache.blocks, strict=True):
-        tensors = st_load(value(store._part_keys("a", ref.name, ref.nbytes, manifest.part_bytes)[0]))
+        tensors = st_load(value(store.keys.parts("a", ref.name, ref.nbytes, manifest.part_bytes)[0]))
         assert np.array_equal(tensors["L1.v"], block.values[1]) and tensors["L1.v"].dtype == np.float16
 
 
@@ -70,12 +70,12 @@ def test_committed_keys_are_permanent_and_uncommitted_ones_expire(redis_url: str
     store = RedisStore(redis_url, spec)
     store.put("a", make_cache(spec, tokens(40)))
     client = redis.Redis.from_url(redis_url)
-    keys = [*redis_value_keys(client, "kvrq:cache:"), store._mkey("a")]
+    keys = [*redis_value_keys(client, "kvrq:cache:"), store.keys.manifest("a")]
     assert len(keys) == 4 and all(client.ttl(k) == -1 for k in keys)  # 2 shared + 1 own block
     plan = store.plan_write("b", make_cache(spec, tokens(20, seed=1)), None)
     store._write_blocks("b", plan)  # a writer that dies before committing
     for block in plan.new_blocks:
-        key = store._part_keys("b", block.name, block.encoded.nbytes, store.part_bytes)[0]
+        key = store.keys.parts("b", block.name, block.encoded.nbytes, store.part_bytes)[0]
         assert 0 < client.pttl(key) <= redis_store.PENDING_TTL_MS
 
 

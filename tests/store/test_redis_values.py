@@ -51,10 +51,10 @@ def test_values_are_at_most_value_bytes_and_join_into_safetensors_blocks(store: 
     assert manifest is not None and manifest.part_bytes == VALUE_BYTES
     values = _values(store)
     assert values and all(len(v) <= VALUE_BYTES for v in values.values())
-    expected = store._ref_keys("a", manifest.blocks, manifest.part_bytes)
+    expected = store.keys.of_refs("a", manifest.blocks, manifest.part_bytes)
     assert sorted(values) == sorted(expected) and len(expected) > len(manifest.blocks)
     for ref, block in zip(manifest.blocks, cache.blocks, strict=True):
-        blob = b"".join(values[key] for key in store._part_keys("a", ref.name, ref.nbytes, VALUE_BYTES))
+        blob = b"".join(values[key] for key in store.keys.parts("a", ref.name, ref.nbytes, VALUE_BYTES))
         tensors = st_load(blob)
         assert np.array_equal(tensors["L2.v"], block.values[2])
     assert_same_cache(store.get("a"), cache)
@@ -71,7 +71,7 @@ def test_prefix_reads_and_block_reuse_with_multi_value_blocks(store: RedisStore)
     assert_same_cache(store.get("a", prompt_tokens=turn2[:20] + [5]), make_cache(store.spec, turn2[:20]))
     manifest = store.read_manifest("a")
     assert manifest is not None
-    assert sorted(_values(store)) == sorted(store._ref_keys("a", manifest.blocks, manifest.part_bytes))
+    assert sorted(_values(store)) == sorted(store.keys.of_refs("a", manifest.blocks, manifest.part_bytes))
     store.delete("a")
     assert _values(store) == {}
 
@@ -80,7 +80,7 @@ def _damage(store: RedisStore, how: str) -> None:
     manifest = store.read_manifest("a")
     assert manifest is not None
     ref = manifest.blocks[1]
-    key = store._part_keys("a", ref.name, ref.nbytes, manifest.part_bytes)[2]
+    key = store.keys.parts("a", ref.name, ref.nbytes, manifest.part_bytes)[2]
     value = store._client.get(key)
     assert isinstance(value, bytes)
     if how == "missing":
@@ -133,7 +133,7 @@ def test_a_version_1_cache_with_one_value_per_block_still_reads(redis_url: str) 
     old_writer.put("a", cache)
     manifest = old_writer.read_manifest("a")
     assert manifest is not None
-    old_writer._client.set(old_writer._mkey("a"), _as_version_1(encode_manifest(manifest)))
+    old_writer._client.set(old_writer.keys.manifest("a"), _as_version_1(encode_manifest(manifest)))
     store = RedisStore(redis_url, spec, value_bytes=VALUE_BYTES)
     reread = store.read_manifest("a")
     assert reread is not None and (reread.part_bytes, reread.fence) == (0, 0)
@@ -144,7 +144,7 @@ def test_a_version_1_cache_with_one_value_per_block_still_reads(redis_url: str) 
     assert_same_cache(store.get("a"), turn2)
     latest = store.read_manifest("a")
     assert latest is not None
-    assert sorted(_values(store)) == sorted(store._ref_keys("a", latest.blocks, latest.part_bytes))
+    assert sorted(_values(store)) == sorted(store.keys.of_refs("a", latest.blocks, latest.part_bytes))
 
 
 @pytest.mark.integration
@@ -209,7 +209,7 @@ def test_get_into_disconnects_after_an_error_reply(redis_url: str) -> None:
 def test_manifest_records_the_value_size(redis_url: str) -> None:
     store = RedisStore(redis_url, tiny_spec(), value_bytes=VALUE_BYTES)
     store.put("a", make_cache(store.spec, tokens(20)))
-    raw = store._client.get(store._mkey("a"))
+    raw = store._client.get(store.keys.manifest("a"))
     assert isinstance(raw, bytes)
     metadata, _entries, _start = parse_header(raw)
     assert metadata["part_bytes"] == str(VALUE_BYTES) and metadata["version"] == "5"

@@ -177,7 +177,7 @@ def test_a_damaged_shared_block_is_a_miss_for_its_users(opener: Opener) -> None:
         path.write_bytes(bytes(data))
     else:
         assert isinstance(store, RedisStore)
-        key = store._part_keys("a", shared.name, shared.nbytes, manifest.part_bytes)[0]
+        key = store.keys.parts("a", shared.name, shared.nbytes, manifest.part_bytes)[0]
         value = bytearray(store._client.get(key))  # type: ignore[arg-type]
         value[-5] ^= 1
         store._client.set(key, bytes(value))
@@ -258,7 +258,7 @@ def test_concurrent_writers_on_redis_keep_every_shared_block_in_use(redis_url: s
     persistent = redis_value_keys(client, "race:", persistent_only=True)
     assert {key.split(":s:")[1] for key in persistent if ":s:" in key} == referenced  # no leak, none gone
     for name in referenced:
-        members = {m.decode() if isinstance(m, bytes) else m for m in client.smembers(store._refs_key(name))}
+        members = {m.decode() if isinstance(m, bytes) else m for m in client.smembers(store.keys.refs(name))}
         assert members == {agent for agent in store.list() if name in _shared_names(store, agent)}
 
 
@@ -282,7 +282,7 @@ def test_a_writer_dying_right_after_its_exec_leaves_no_unused_shared_block(
     client = redis.Redis.from_url(redis_url)
     manifest = store.read_manifest("a")
     assert manifest is not None
-    referenced = set(store._ref_keys("a", manifest.blocks, manifest.part_bytes))
+    referenced = set(store.keys.of_refs("a", manifest.blocks, manifest.part_bytes))
     assert redis_value_keys(client, store.prefix, persistent_only=True) == referenced
     assert store.stats()["shared_collected"] == 4
 
@@ -299,7 +299,7 @@ def test_collect_shared_garbage_finds_what_no_agent_uses(opener: Opener) -> None
         # A reference set lost with a damaged manifest: the block is committed but nobody uses it.
         manifest = store.read_manifest("a")
         assert manifest is not None
-        store._client.delete(store._refs_key(manifest.blocks[0].name))
+        store._client.delete(store.keys.refs(manifest.blocks[0].name))
     assert store.collect_shared_garbage() == 1
     assert store.collect_shared_garbage() == 0
     if isinstance(store, RedisStore):
@@ -314,7 +314,7 @@ def test_without_scripting_a_released_block_is_collected_with_its_pointer(redis_
     store = without_scripting(RedisStore(redis_url, tiny_spec()))
     store.put("a", make_cache(store.spec, PREFIX + [1]))
     assert store.put("a", make_cache(store.spec, tokens(40, seed=5)))  # releases the 4 prefix blocks
-    assert store._scripting is False  # the fallback, not the script, collected them
+    assert store.shared_blocks.scripting is False  # the fallback, not the script, collected them
     assert store.stats()["shared_collected"] == 4
     manifest = store.read_manifest("a")
     assert manifest is not None
@@ -331,7 +331,7 @@ def test_without_scripting_a_pointer_naming_another_version_is_kept(redis_url: s
     manifest = store.read_manifest("a")
     assert manifest is not None
     first = manifest.blocks[0]
-    pointer = store._pointer_key(first.name.partition(".")[0])
+    pointer = store.keys.pointer(first.name.partition(".")[0])
     store._client.set(pointer, "0badc0de:123")  # since replaced by another version of the same tokens
     store.put("a", make_cache(store.spec, tokens(40, seed=5)))
     assert store.stats()["shared_collected"] == 4
