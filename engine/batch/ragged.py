@@ -440,6 +440,7 @@ class StepStats:
     prompt_tokens: int = 0  # prompt tokens fed this step
     decode_rows: int = 0
     forward_s: float = 0.0
+    step_s: float = 0.0  # the whole step: drafting, the slots' moves, the forward, the verify
     draft_tokens: int = 0  # draft tokens verified this step (speculation)
     accepted_tokens: int = 0  # of which accepted
 
@@ -536,6 +537,7 @@ class RaggedBatchGenerator:
         first token from it; a drafted row gets its accepted drafts and one more. Finished rows
         stay until `remove`."""
         self.steps += 1
+        step_start = time.perf_counter()
         live = [row for row in self.rows.values() if not row.finished]
         chunks = self._prefill_chunks([row for row in live if not row.decoding])
         self._draft(live, chunks)
@@ -577,6 +579,7 @@ class RaggedBatchGenerator:
             reported = logprobs.get(row.uid)
             out.append(RowToken(row.uid, token, reason, reported[0] if reported else None))
         self.last_step = stats
+        stats.step_s = time.perf_counter() - step_start
         if self.speculation is not None:
             self.speculation.record_step(stats)
         if not stats.draft_tokens:  # draft tokens are no prompt tokens: StepCost learns plain steps only
@@ -667,15 +670,18 @@ class RaggedBatchGenerator:
         return chunks
 
     def _assign_slots(self, live: list[Row]) -> None:
-        """Finished rows and rows about to outgrow SHORT_ROW_TOKENS leave the slots; short
-        decoding rows enter them."""
+        """Finished rows, drafting rows and rows about to outgrow SHORT_ROW_TOKENS leave the slots;
+        short decoding rows enter them, but for those that drafted lately (Speculation's
+        keeps_out_of_slots: moving in and out copies their K/V each time)."""
         for row in list(self.slots.rows):
             if row.finished or row.drafting or row.length + 1 > SHORT_ROW_TOKENS:
                 self.slots.leave(row)
+        speculation = self.speculation
         for row in live if self.short_slots else ():
             if (
                 row.decoding
                 and not row.drafting
+                and not (speculation and speculation.keeps_out_of_slots(row.speculation, self.steps))
                 and row.length + 1 <= SHORT_ROW_TOKENS
                 and row not in self.slots
                 and holds_all(row)

@@ -52,8 +52,16 @@ WEIGHT = 0.3
 #: Every this many speculating steps at one row count, one runs plainly to re-measure its cost.
 REMEASURE_EVERY = 64
 #: After this many steps whose drafts the cost turned down, the best one drafts anyway: the cost and
-#: the row's acceptance are measured again (a noisy step must not turn drafting off for good).
+#: the row's acceptance are measured again (a noisy step must not turn drafting off for good). Each
+#: probe that the cost still turns down doubles the wait, up to MAX_PROBE_EVERY (a probe costs).
 PROBE_EVERY = 8
+MAX_PROBE_EVERY = 128
+#: A step drafts only where the cost says its tokens per second gain at least this factor: a
+#: prediction within the noise of a step's time is no reason to pay a draft's extra work.
+MIN_GAIN = 1.05
+#: A row that drafted stays out of the ShortSlots this many steps: a drafted row leaves them (its 1 + k
+#: tokens run like a prefill chunk) and moving in and out every other step costs two copies of its K/V.
+SLOT_REENTRY_STEPS = 8
 #: Step times kept per estimate; the estimate is their median (robust to a step a neighbour slowed).
 SAMPLES = 9
 
@@ -63,7 +71,7 @@ class SpeculatedStep(Protocol):
     prompt_tokens: int
     draft_tokens: int
     accepted_tokens: int
-    forward_s: float
+    step_s: float
 
 
 class NgramIndex:
@@ -150,6 +158,7 @@ class RowSpeculation:
     acceptance: float = PRIOR_ACCEPTANCE  # accepted / proposed, averaged over its drafts
     misses: int = 0  # drafts in a row with nothing accepted
     paused_until: int = 0  # the generator's step count
+    drafted_at: int = -SLOT_REENTRY_STEPS  # the step count of its latest draft
     proposed: int = 0
     accepted: int = 0
 
@@ -159,6 +168,7 @@ class RowSpeculation:
         return sum(a**i for i in range(1, k + 1))
 
     def record(self, proposed: int, accepted: int, step: int) -> None:
+        self.drafted_at = step
         self.proposed += proposed
         self.accepted += accepted
         self.acceptance = (1 - WEIGHT) * self.acceptance + WEIGHT * accepted / proposed
@@ -185,39 +195,77 @@ class SpeculationStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+class StepTimes:
+    """What a decode step (no prompt tokens) costs by its query tokens (rows + draft tokens), the
+    median of its latest times; steps with drafts and without are kept apart (a drafted step also
+    moves its rows out of the ShortSlots, a plain one of as many tokens does not).
+
+    Why by tokens and not a cost per draft token: on the CPU a step's matmuls run at 16 or 32 rows
+    (engine/cpu/gemm_rows.py), so its cost is a staircase: 4 rows plus 8 drafts cost what 4 rows do,
+    1 row plus 4 drafts twice one row. A token count not measured yet is read off its neighbours."""
+
+    def __init__(self) -> None:
+        self._samples: dict[tuple[bool, int], deque[float]] = {}
+        self.plain: dict[int, float] = {}  # by rows
+        self.drafted: dict[int, float] = {}  # by rows + draft tokens
+
+    def record(self, tokens: int, drafted: bool, seconds: float) -> None:
+        samples = self._samples.setdefault((drafted, tokens), deque(maxlen=SAMPLES))
+        samples.append(seconds)
+        (self.drafted if drafted else self.plain)[tokens] = statistics.median(samples)
+
+    def estimate(self, tokens: int, drafted: bool) -> tuple[float, bool] | None:
+        """A step of `tokens` query tokens and whether the figure is founded: measured, else
+        interpolated between the nearest known counts (a drafted step's own where measured), else
+        extended from the two largest; from the largest alone it is a guess (its cost, optimistic:
+        the step that tries it measures it). None: nothing known."""
+        known = {**self.plain, **self.drafted} if drafted else self.plain
+        if tokens in known:
+            return known[tokens], True
+        below = [t for t in known if t < tokens]
+        above = [t for t in known if t > tokens]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return known[lo] + (known[hi] - known[lo]) * (tokens - lo) / (hi - lo), True
+        if above:
+            return known[min(above)], True
+        if not below:
+            return None
+        top = sorted(below)[-2:]
+        if len(top) < 2:
+            return known[top[0]], False
+        slope = max(0.0, (known[top[1]] - known[top[0]]) / (top[1] - top[0]))
+        return known[top[1]] + slope * (tokens - top[1]), True
+
+
 class Speculation:
     """The batch's drafting policy: which rows draft this step, from what steps cost here.
 
-    A decode step of R rows costs plain_s[R]; each draft token on top costs draft_token_s (both
-    learnt from the steps run, the first only from steps without prompt tokens). A set of drafts
-    adding G expected tokens with D draft tokens pays when (R + G) / (plain + c D) beats R / plain;
-    rows are taken best expected gain per token first while the next one still pays.
+    Steps are timed whole (drafting, the slots' moves, the forward, the verify) by their query
+    tokens (StepTimes). Offers are taken best expected accepted tokens per draft token first, and
+    the step drafts the prefix of them with the most expected tokens per second, R + G over the
+    step's cost at R + D tokens, where that beats R over a plain step's by MIN_GAIN; else none.
     """
 
     def __init__(self, always: bool = False) -> None:
         """`always`: every row with a draft drafts, whatever the cost (tests; a benchmark's bound)."""
         self.always = always
-        self.plain_s: dict[int, float] = {}  # median plain decode step by decoding rows
-        self.draft_token_s: float | None = None  # median cost a draft token adds
+        self.times = StepTimes()
         self.stats = SpeculationStats()
         self._since_plain: dict[int, int] = {}
         self._turned_down = 0  # steps in a row whose drafts did not pay
-        self._plain_samples: dict[int, deque[float]] = {}
-        self._token_samples: deque[float] = deque(maxlen=SAMPLES)
+        self._probe_every = PROBE_EVERY
 
     def plan(
         self, candidates: list[tuple[Any, RowSpeculation]], decode_rows: int, step: int, extra_s: float
     ) -> dict[int, list[int]]:
         """Drafts for this step by row uid. `candidates` are (row, state) of rows that may draft;
         `extra_s` is what the step's prompt tokens add to its cost."""
-        plain = self.plain_s.get(decode_rows)
-        if (plain is None and not self.always) or not candidates:
+        if (decode_rows not in self.times.plain and not self.always) or not candidates:
             return {}  # first measure what a plain step of this many rows costs
         if self._since_plain.get(decode_rows, 0) >= REMEASURE_EVERY and not self.always:
             self._since_plain[decode_rows] = 0
             return {}
-        base = (plain or 0.0) + extra_s
-        per_token = self.draft_token_s or 0.0
         offers = []
         for row, state in candidates:
             if state.paused_until > step and not self.always:
@@ -230,48 +278,51 @@ class Speculation:
             draft = state.index.propose(k)
             if draft:
                 offers.append((state.expected_tokens(len(draft)) / len(draft), row.uid, draft, state))
+        if not offers:
+            return {}
         offers.sort(key=lambda offer: -offer[0])
-        chosen: dict[int, list[int]] = {}
+        if self.always:
+            return {uid: draft for _, uid, draft, _ in offers}
+        best_rate, best = MIN_GAIN * decode_rows / (self.times.plain[decode_rows] + extra_s), 0
         gain, draft_tokens = 0.0, 0
-        for _, uid, draft, state in offers:
-            g = state.expected_tokens(len(draft))
-            if not self.always and g * (base + per_token * draft_tokens) <= (
-                decode_rows + gain
-            ) * per_token * len(draft):
-                break
-            chosen[uid] = draft
-            gain += g
+        for i, (_, _, draft, state) in enumerate(offers, start=1):
+            gain += state.expected_tokens(len(draft))
             draft_tokens += len(draft)
-        if offers and not chosen:
-            self._turned_down += 1
-            if self._turned_down >= PROBE_EVERY:
-                _, uid, draft, _ = offers[0]
-                chosen[uid] = draft
-        if chosen:
-            self._turned_down = 0
-        return chosen
+            estimate = self.times.estimate(decode_rows + draft_tokens, drafted=True)
+            assert estimate is not None  # the plain step of decode_rows is known
+            cost, founded = estimate
+            rate = (decode_rows + gain) / (cost + extra_s)
+            if rate > best_rate:
+                best_rate, best = rate, i
+            if not founded:
+                break  # a guess: only the smallest step beyond what is known is tried
+        if best:
+            self._turned_down, self._probe_every = 0, PROBE_EVERY
+            return {uid: draft for _, uid, draft, _ in offers[:best]}
+        self._turned_down += 1
+        if self._turned_down < self._probe_every:
+            return {}
+        self._turned_down = 0
+        self._probe_every = min(MAX_PROBE_EVERY, self._probe_every * 2)
+        _, uid, draft, _ = offers[0]
+        return {uid: draft}
+
+    def keeps_out_of_slots(self, state: RowSpeculation | None, step: int) -> bool:
+        """Whether a row that drafted lately stays out of the ShortSlots (SLOT_REENTRY_STEPS)."""
+        return state is not None and step - state.drafted_at < SLOT_REENTRY_STEPS
 
     def record_step(self, step: SpeculatedStep) -> None:
-        """Learn from a step's time: a plain decode step sets its row count's cost, a speculating
-        one without prompt tokens what its draft tokens added."""
+        """Learn from a step's time: a decode step without prompt tokens sets the cost of its
+        query tokens, plain or drafted."""
         if step.draft_tokens:
             self.stats.steps += 1
             self.stats.proposed += step.draft_tokens
             self.stats.accepted += step.accepted_tokens
-        decode_rows, draft_tokens, forward_s = step.decode_rows, step.draft_tokens, step.forward_s
-        if forward_s <= 0 or decode_rows == 0 or step.prompt_tokens:
+        decode_rows, draft_tokens = step.decode_rows, step.draft_tokens
+        if step.step_s <= 0 or decode_rows == 0 or step.prompt_tokens:
             return
-        if not draft_tokens:
-            samples = self._plain_samples.setdefault(decode_rows, deque(maxlen=SAMPLES))
-            samples.append(forward_s)
-            self.plain_s[decode_rows] = statistics.median(samples)
-            return
-        self._since_plain[decode_rows] = self._since_plain.get(decode_rows, 0) + 1
-        plain = self.plain_s.get(decode_rows)
-        if plain is None:
-            return
-        self._token_samples.append(max(0.0, forward_s - plain) / draft_tokens)
-        self.draft_token_s = statistics.median(self._token_samples)
+        self._since_plain[decode_rows] = self._since_plain.get(decode_rows, 0) + 1 if draft_tokens else 0
+        self.times.record(decode_rows + draft_tokens, bool(draft_tokens), step.step_s)
 
 
 def can_draft(row: Any) -> bool:

@@ -219,18 +219,47 @@ class FakeRow:
         self.max_tokens, self.sampled = 100, [1]
 
 
-def offer(n_rows: int) -> list[tuple[Any, RowSpeculation]]:
-    return [(FakeRow(i, [1, 2, 3, 4, 5, 6] * 4), RowSpeculation(acceptance=0.8)) for i in range(n_rows)]
+def offer(n_rows: int, acceptance: float = 0.8) -> list[tuple[Any, RowSpeculation]]:
+    """Rows whose context ends in a 4-gram seen before: each offers a draft of 4 tokens."""
+    return [
+        (FakeRow(i, [1, 2, 3, 4, 5, 6] * 4), RowSpeculation(acceptance=acceptance)) for i in range(n_rows)
+    ]
 
 
 def test_the_policy_drafts_where_the_step_is_cheap_and_not_where_draft_tokens_cost_a_rows_share() -> None:
     speculation = Speculation()
     assert speculation.plan(offer(1), 1, step=1, extra_s=0.0) == {}, "a plain step is measured first"
-    speculation.plain_s = {1: 0.050, 16: 0.200}
-    speculation.draft_token_s = 0.002  # memory-bound: a draft token costs 4% of a one-row step
+    speculation.times.record(1, drafted=False, seconds=0.050)
+    speculation.times.record(16, drafted=False, seconds=0.200)
+    speculation.times.record(5, drafted=True, seconds=0.052)  # memory-bound: 4 drafts cost 4% of a step
     assert len(speculation.plan(offer(1), 1, step=2, extra_s=0.0)) == 1
-    speculation.draft_token_s = 0.0125  # compute-bound: each token costs what a row's share of the step does
+    # compute-bound: each draft token costs what a row's share of the step does
+    speculation.times.record(20, drafted=True, seconds=0.250)
     assert speculation.plan(offer(16), 16, step=3, extra_s=0.0) == {}
+
+
+def test_the_policy_reads_the_cpus_staircase_of_step_costs() -> None:
+    """On the CPU 4 rows run as 16 matmul rows: drafts up to 16 tokens in all cost (almost) nothing
+    there, while one row's first draft doubles its step: it pays only with drafts likely accepted."""
+    speculation = Speculation()
+    speculation.times.record(4, drafted=False, seconds=0.100)
+    speculation.times.record(16, drafted=True, seconds=0.102)
+    speculation.times.record(20, drafted=True, seconds=0.200)
+    assert len(speculation.plan(offer(4, acceptance=0.3), 4, step=1, extra_s=0.0)) == 3, (
+        "3 drafts of 4 fit in 16 tokens; the 4th would make a step of 20 (32 matmul rows)"
+    )
+    speculation.times.record(1, drafted=False, seconds=0.050)
+    speculation.times.record(5, drafted=True, seconds=0.100)
+    assert len(speculation.plan(offer(1, acceptance=0.8), 1, step=2, extra_s=0.0)) == 1
+    assert speculation.plan(offer(1, acceptance=0.3), 1, step=3, extra_s=0.0) == {}
+
+
+def test_drafts_the_cost_turns_down_are_probed_less_and_less_often() -> None:
+    speculation = Speculation()
+    speculation.times.record(1, drafted=False, seconds=0.050)
+    speculation.times.record(5, drafted=True, seconds=0.200)
+    probes = [step for step in range(1, 60) if speculation.plan(offer(1, acceptance=0.5), 1, step, 0.0)]
+    assert probes == [8, 24, 56], "after 8 turned-down steps, then 16, then 32"
 
 
 def test_a_row_whose_drafts_keep_failing_pauses() -> None:
