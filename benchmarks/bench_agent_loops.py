@@ -264,7 +264,7 @@ SENDERS: dict[str, Callable[[Server, Trace, int], Reply]] = {
 
 
 class Renderer:
-    """Prompt tokens as each side renders the history: kvrq with its tool format (worker/prompts.py),
+    """Prompt tokens as each side renders the history: kvrq with its tool format (worker/requests/prompts.py),
     the others with the model's plain template, which drops tools and calls (their answer's text is
     what SmolLM2's template keeps of an assistant turn)."""
 
@@ -278,7 +278,7 @@ class Renderer:
         if side == "kvrq":
             from producer.batch.format import chat_request
             from producer.models import GenerationRequest
-            from worker.prompts import prompt_tokens
+            from worker.requests.prompts import prompt_tokens
 
             body = {"messages": messages, "tools": openai_tools()}
             return prompt_tokens(self.tokenizer, GenerationRequest(**chat_request(body)))

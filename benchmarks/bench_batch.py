@@ -130,7 +130,7 @@ def main() -> int:
     from engine.models.load import load_model
     from producer.models import GenerationRequest
     from worker.cli.spawn import redis_server, worker_process
-    from worker.prompts import prompt_tokens
+    from worker.requests.prompts import prompt_tokens
 
     lines = batch_lines(count, args.max_tokens)
     model, tokenizer = load_model("smollm2-135m")

@@ -185,10 +185,11 @@ def bench_calls(limit: int, max_tokens: int) -> dict[str, Any]:
     from engine.core.errors import InvalidRequestError
     from engine.models.load import load_model
     from producer.models import GenerationRequest
-    from worker.agent_output import splitter_for
-    from worker.jobs import JobRejected, checked_sampling
-    from worker.prompts import prompt_tokens
-    from worker.tool_grammar import forced_tool_calls
+    from worker.jobs.payload import JobRejected
+    from worker.requests.output_split import splitter_for
+    from worker.requests.prompts import prompt_tokens
+    from worker.requests.sampling import checked_sampling
+    from worker.requests.tool_grammar import forced_tool_calls
 
     model, tokenizer = load_model()
     engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2", pool_mb=1536, max_batch=ROWS)

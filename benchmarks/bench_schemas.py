@@ -9,8 +9,8 @@ Reads the MaskBench corpus in place (../shared/data/jsonschemabench, never copie
    with what the grammar leaves unenforced, counted by kind;
 3. on the corpus's own labelled instances of each compiled schema: the mask, model-free (the instance's
    tokens, as json.dumps writes it, fed to the grammar's matcher: a valid instance it refuses is a mask
-   error) and the final validation a finished answer gets (worker/schema_check.py). The figure that must be
-   0: invalid instances that pass the grammar and are then reported valid.
+   error) and the final validation a finished answer gets (worker/requests/schema_check.py). The figure
+   that must be 0: invalid instances that pass the grammar and are then reported valid.
 
 Figures are counts (deterministic for a seed); compile and validation times are from this machine.
 """
@@ -76,7 +76,7 @@ def bench(entries: list[dict[str, Any]]) -> dict[str, Any]:
     from engine.core.params import with_json_whitespace
     from engine.models.load import load_model
     from producer.models import checked_json_schema
-    from worker.schema_check import instance_violation
+    from worker.requests.schema_check import instance_violation
 
     _, tokenizer = load_model()
     lltokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer)

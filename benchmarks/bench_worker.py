@@ -275,7 +275,7 @@ def floor(
     producer: Any, model: Any, tokenizer: Any, workdir: Path, contexts: tuple[int, ...]
 ) -> dict[int, dict[str, Any]]:
     from producer.models import GenerationRequest
-    from worker.prompts import prompt_tokens
+    from worker.requests.prompts import prompt_tokens
 
     rows = {}
     context = int(getattr(model.args, "max_position_embeddings", 8192))
@@ -655,7 +655,7 @@ def main() -> int:
     from producer.client import Producer
     from producer.models import GenerationRequest
     from worker.cli.spawn import redis_server, worker_process
-    from worker.prompts import prompt_tokens
+    from worker.requests.prompts import prompt_tokens
 
     model, tokenizer = load_model("smollm2-135m")
     requests = [{"messages": chat(q), "max_tokens": max_tokens} for q in QUESTIONS]

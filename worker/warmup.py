@@ -20,7 +20,7 @@ from engine.core.params import SamplingParams
 from engine.core.results import Completion
 from producer.wire.protocol import agent_fence_key, agent_lock_key
 from store.base import CacheInfo
-from worker.ports import Engine, Store
+from worker.loop.ports import Engine, Store
 
 log = logging.getLogger("kvrq.worker")
 

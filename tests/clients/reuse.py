@@ -1,6 +1,6 @@
 """Issue 42 item 6, measured: how much of what a request shares with an earlier one it resumed.
 
-Each finished job's request is tokenized again exactly as the worker did (worker.prompts), so
+Each finished job's request is tokenized again exactly as the worker did (worker.requests.prompts), so
 "shared" is the longest common token prefix with any earlier request of the session (its prompt and
 the answer's tokens: both are in the KV it left), and "reused"
 is the worker's own figure (its usage). The benchmark prints the same rows.
@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.core.blocks import common_prefix_length
 from tests.clients.stack import FinishedJob
-from worker.prompts import prompt_tokens
+from worker.requests.prompts import prompt_tokens
 
 #: Of the tokens a request shares with an earlier one, the part it must resume (issue 42 item 6).
 MIN_RESUMED = 0.95

@@ -234,13 +234,13 @@ def test_the_worker_starts_with_the_cpu_package_deleted(tmp_path: Path) -> None:
     engine on a tiny model, the store) runs on MLX's own ops, up to where it waits for Redis."""
     copy, env = without_cpu(tmp_path)
     script = (
-        "import sys, engine.models.load, worker.serve\n"
+        "import sys, engine.models.load, worker.process\n"
         "from tests.engine.tiny import ByteTokenizer, tiny_model\n"
         "from worker.cli.main import main\n"
         "class Started(Exception): pass\n"
         "def started(url): raise Started(url)\n"
         "engine.models.load.load_model = lambda name: (tiny_model('llama'), ByteTokenizer())\n"
-        "worker.serve.wait_for_redis = started\n"
+        "worker.process.wait_for_redis = started\n"
         "try:\n"
         "    main(['worker', '--model', 'tiny-llama', '--pool-blocks', '64', '--store', 'disk:cache'])\n"
         "except Started:\n"

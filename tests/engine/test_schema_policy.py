@@ -1,7 +1,7 @@
 """Schemas with keywords the grammar cannot hold run instead of being refused; their answers are checked.
 
 A tiny random llama over the builtin SmolLM2 vocabulary (tests/engine/test_grammar.py's fixtures) decodes
-under each grammar, then the answer gets the worker's final validation (worker/schema_check.py).
+under each grammar, then the answer gets the worker's final validation (worker/requests/schema_check.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.errors import InvalidRequestError
 from engine.core.params import OutputGrammar, SamplingParams
 from tests.engine.test_grammar import engine, grammar_of, model, prompt, run, tokenizer
-from worker.schema_check import schema_check
+from worker.requests.schema_check import schema_check
 
 __all__ = ["engine", "model", "tokenizer"]  # fixtures used here
 

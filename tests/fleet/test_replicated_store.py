@@ -1,6 +1,6 @@
 """Writes confirmed on a replicated Redis (a Sentinel URL): a store put returns only once a replica holds
 it, an agent's turn is used only once a replica holds its fence, and job endings a failover dropped are
-found (worker/confirmed_endings.py).
+found (worker/fleet/confirmed_endings.py).
 
 Real redis-server primary + replica + 3 sentinels on loopback (tests/fleet/sentinel.py), the store's
 client made by producer/redis_url.connect as the worker makes it. Why it matters: a commit the old
@@ -28,8 +28,8 @@ from store.errors import StoreError
 from store.redis_store import RedisStore
 from tests.fleet.sentinel import SentinelTopology, wait_until
 from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
-from worker.agent_turns import AgentTurns
-from worker.confirmed_endings import ConfirmedEndings
+from worker.fleet.agent_turns import AgentTurns
+from worker.fleet.confirmed_endings import ConfirmedEndings
 from worker.loop.held import HeldJob
 from worker.loop.outcomes import Failed, Finished, HandedBack
 

@@ -16,7 +16,7 @@ from producer.http.guard import load_keys
 from producer.http.pools import Pool, PoolDirectory
 from producer.wire.protocol import CAPACITY_FIELD, MODEL_FIELD, worker_alive_key
 from tests.producer.fakes import app_connections, fake_redis
-from worker.rqexec import KvrqWorker
+from worker.jobs.rqexec import KvrqWorker
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 MESSAGES = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

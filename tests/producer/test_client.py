@@ -90,7 +90,7 @@ def test_result_waits_for_the_worker_and_times_out(producer: Producer) -> None:
 
 
 def _finish_like_a_worker(producer: Producer, job_id: str, result: dict) -> None:  # type: ignore[type-arg]
-    from worker.rqexec import KvrqWorker, finish_job, start_job
+    from worker.jobs.rqexec import KvrqWorker, finish_job, start_job
 
     worker = KvrqWorker(["kvrq"], connection=producer.connection)
     job, queue = Queue.dequeue_any(

@@ -9,8 +9,8 @@ import fakeredis
 from producer.client import Producer
 from tests.producer.fakes import fake_redis
 from tests.worker.fakes import DictStore, FakeEngine
+from worker.jobs.rqexec import KvrqWorker
 from worker.loop.worker_loop import WorkerLoop
-from worker.rqexec import KvrqWorker
 from worker.settings import WorkerSettings
 
 

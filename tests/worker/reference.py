@@ -32,8 +32,8 @@ def reference_results(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main() -> None:
     from engine.batch.engine import BlockPoolBatchEngine
     from engine.models.load import load_model
-    from worker.jobs import sampling_of
-    from worker.prompts import prompt_tokens
+    from worker.requests.prompts import prompt_tokens
+    from worker.requests.sampling import sampling_of
 
     model, tokenizer = load_model("smollm2-135m")
     engine = BlockPoolBatchEngine(model, tokenizer, model_name="smollm2-135m", max_batch=4)

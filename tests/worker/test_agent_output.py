@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.tool_parsers import json_tools
 
 from producer.models import GenerationRequest
-from worker.agent_output import OutputSplitter, Piece, splitter_for
+from worker.requests.output_split import OutputSplitter, Piece, splitter_for
 
 OUTPUT = (
     '<think>The user wants the weather.</think>Let me check. <tool_call>{"name": "get_weather", '

@@ -13,7 +13,7 @@ from producer.conversation import ConversationRecord, after_turn, extended
 from producer.models import ChatMessage, GenerationRequest
 from producer.wire.protocol import ErrorCode
 from tests.worker.harness import Harness
-from worker.prompts import prompt_tokens
+from worker.requests.prompts import prompt_tokens
 
 
 def user(text: str) -> dict[str, str]:

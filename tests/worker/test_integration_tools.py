@@ -26,7 +26,7 @@ from producer.client import Producer
 from producer.models import GenerationRequest
 from tests.engine.tiny import model_config, save_model_folder, tiny_model
 from tests.worker.procs import RedisProcess, WorkerProcess
-from worker.prompts import prompt_tokens
+from worker.requests.prompts import prompt_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

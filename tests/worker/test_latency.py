@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from worker.latency import HISTOGRAMS, LatencyHistograms, percentiles, quantile
+from worker.fleet.latency import HISTOGRAMS, LatencyHistograms, percentiles, quantile
 
 
 def test_a_value_lands_in_the_first_bucket_whose_bound_is_not_below_it() -> None:

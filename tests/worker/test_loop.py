@@ -17,10 +17,10 @@ from producer.client import JobCanceledError, JobFailedError
 from producer.wire.protocol import JOB_FUNCTION, agent_lock_key
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
-from worker import rqexec
+from worker.fleet.maintenance import clean_queues
+from worker.jobs import rqexec
 from worker.loop.held import HeldJob
 from worker.loop.outcomes import Outcome
-from worker.maintenance import clean_queues
 
 
 @pytest.fixture
@@ -300,7 +300,7 @@ def test_an_ending_a_failover_dropped_is_written_again_once(
 ) -> None:
     """What a failover does to writes the replica had not received: the new primary holds the state from
     before them. Simulated by a snapshot of the whole server taken just before the job's ending is
-    written and put back when the loop asks a replica (worker/confirmed_endings.py): the job is STARTED
+    written and put back when the loop asks a replica (worker/fleet/confirmed_endings.py): the job is STARTED
     again there, and the loop writes its ending once more, on the "new primary"."""
     handle = h.producer.submit({"prompt": "x", "max_tokens": 3})
     snapshot: dict[bytes, bytes] = {}
@@ -366,7 +366,7 @@ def test_an_agent_turn_release_a_failover_dropped_is_made_again(monkeypatch: pyt
             return 1, pipe.execute()
 
     monkeypatch.setattr(h.loop.turns, "release", snapshot_then_release)
-    monkeypatch.setattr("worker.replica_reads.read_after_wait", read_after_failover)
+    monkeypatch.setattr("worker.fleet.replica_reads.read_after_wait", read_after_failover)
     first = h.producer.submit({"agent_id": "A", "prompt": "x", "max_tokens": 3})
     h.run_until(lambda: bool(failovers) and first.status() == "finished" and not h.loop.turns._released)
     assert h.loop.counts["releases_rewritten"] == 1

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from worker.memory import MiB, memory_field
+from worker.fleet.memory import MiB, memory_field
 
 TOUCH = """
 import numpy as np
-from worker.memory import MiB, resident_bytes
+from worker.fleet.memory import MiB, resident_bytes
 before = resident_bytes()
 block = np.ones(64 * MiB, dtype=np.uint8)  # touched: resident
 print((resident_bytes() - before) / MiB)
@@ -35,7 +35,7 @@ def test_memory_field_is_mb_by_kind_with_the_store_figures() -> None:
 FRAGMENTS = """
 import sys
 import numpy as np
-from worker.memory import MiB, resident_bytes, return_large_frees_to_the_os
+from worker.fleet.memory import MiB, resident_bytes, return_large_frees_to_the_os
 if sys.argv[1] == "fixed":
     assert return_large_frees_to_the_os()
 x = np.ones(8 * MiB, np.uint8)

@@ -6,7 +6,7 @@ import urllib.request
 
 from tests.conftest import free_port
 from tests.worker.harness import Harness
-from worker.metrics import serve_metrics
+from worker.fleet.metrics import serve_metrics
 
 
 def test_metrics_export_jobs_tokens_cache_and_queues() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from store.factory import open_backend
 from tests.worker.fakes import SPEC
-from worker import serve
+from worker import process
 from worker.cli.main import build_parser
 
 SECRET = "n0t-for-logs"
@@ -42,9 +42,9 @@ def test_worker_waiting_for_redis_logs_the_url_without_password(
     def no_sleep(seconds: float) -> None:
         raise Stop
 
-    monkeypatch.setattr(serve.time, "sleep", no_sleep)
+    monkeypatch.setattr(process.time, "sleep", no_sleep)
     with caplog.at_level(logging.WARNING, logger="kvrq.worker"), pytest.raises(Stop):
-        serve.wait_for_redis(URL)
+        process.wait_for_redis(URL)
     assert "Redis at redis://kvrq:***@127.0.0.1:1/0 unreachable" in caplog.text
     assert SECRET not in caplog.text
 

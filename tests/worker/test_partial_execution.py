@@ -11,8 +11,8 @@ from __future__ import annotations
 from rq.queue import Queue
 
 from tests.worker.harness import Harness
-from worker import rqexec
-from worker.maintenance import rerun_crashed
+from worker.fleet.maintenance import rerun_crashed
+from worker.jobs import rqexec
 
 
 def test_a_partial_execution_hash_is_an_orphan_not_a_crash() -> None:

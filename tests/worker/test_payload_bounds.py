@@ -22,7 +22,7 @@ from producer.models import MAX_MESSAGES, MAX_METADATA_BYTES, MAX_PROMPT_CHARS, 
 from producer.wire.protocol import JOB_FUNCTION, ErrorCode
 from tests.worker.fakes import FakeTokenizer
 from tests.worker.harness import Harness
-from worker.job_data import MAX_JOB_DATA_BYTES, BoundedJob, data_size_problem
+from worker.jobs.bounded_job import MAX_JOB_DATA_BYTES, BoundedJob, data_size_problem
 
 
 class CountingTokenizer(FakeTokenizer):

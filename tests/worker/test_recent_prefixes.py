@@ -7,7 +7,7 @@ import numpy as np
 from engine.core.blocks import AgentCache, KVBlock
 from tests.worker.fakes import SPEC
 from tests.worker.harness import Harness
-from worker.recent_prefixes import RecentPrefixes
+from worker.loop.recent_prefixes import RecentPrefixes
 
 
 def cache_of(tokens: list[int]) -> AgentCache:

@@ -1,5 +1,5 @@
 """rq's contract kept by the worker's own parts, without a model: rq's scheduler run by the loop
-(worker/scheduled.py), stop-job vs cancel, callbacks (one that raises changes nothing else), and
+(worker/jobs/scheduled_jobs.py), stop-job vs cancel, callbacks (one that raises changes nothing else), and
 dependents of a job failed past its crash budget or re-run after a crash. The same behaviours end
 to end, beside a plain `rq worker`: test_rq_conformance.py."""
 
@@ -29,9 +29,9 @@ from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
 from tests.worker.procs import RedisProcess
 from tests.worker.rq_functions import calls_key
-from worker import rqexec
-from worker.maintenance import rerun_crashed
-from worker.scheduled import ScheduledJobs
+from worker.fleet.maintenance import rerun_crashed
+from worker.jobs import rqexec
+from worker.jobs.scheduled_jobs import ScheduledJobs
 
 FUNCTIONS = "tests.worker.rq_functions"
 PAYLOAD = {"prompt": "x", "max_tokens": 1000}

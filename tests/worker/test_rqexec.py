@@ -1,4 +1,4 @@
-"""The rq internals worker/rqexec.py relies on, checked against the installed rq.
+"""The rq internals worker/jobs/rqexec.py relies on, checked against the installed rq.
 
 These fail loudly, naming what moved, when the pinned rq changes them: update rqexec.py (the
 only module that touches them) and the pin in pyproject together.
@@ -21,7 +21,7 @@ from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from tests.producer.fakes import fake_redis
 from tests.worker.harness import Harness
-from worker import rqexec
+from worker.jobs import rqexec
 
 
 def test_rq_is_the_pinned_minor_version() -> None:

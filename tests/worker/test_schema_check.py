@@ -11,11 +11,11 @@ import pytest
 from engine.core.params import OutputGrammar
 from engine.core.results import Completion, Usage
 from producer.models import GenerationRequest, GenerationResult
-from worker.jobs import sampling_of
-from worker.logprobs import LogprobFormatter
 from worker.loop.held import HeldJob
 from worker.loop.results import build_result
-from worker.schema_check import schema_check
+from worker.requests.logprobs import LogprobFormatter
+from worker.requests.sampling import sampling_of
+from worker.requests.schema_check import schema_check
 
 DATES = {
     "type": "object",

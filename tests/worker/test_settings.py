@@ -92,7 +92,7 @@ def test_what_none_defaults_stand_for() -> None:
     import socket
 
     from engine.batch.engine import DEFAULT_POOL_MB
-    from worker.rqexec import default_worker_name
+    from worker.jobs.rqexec import default_worker_name
 
     settings = WorkerSettings()
     assert f"`{DEFAULT_POOL_MB}` (engine)" == NONE_DEFAULTS_AS_DOCUMENTED["pool_mb"]
@@ -176,6 +176,6 @@ def test_http_server_is_a_producer() -> None:
 def test_client_commands_do_not_import_mlx() -> None:
     loaded = _imports_after(
         "from worker.cli import build_parser; build_parser()\n"
-        "import worker.cli.commands, worker.cli.demo, worker.maintenance, worker.cli.spawn"
+        "import worker.cli.commands, worker.cli.demo, worker.fleet.maintenance, worker.cli.spawn"
     )
     assert not loaded & {"mlx", "mlx_lm", "numpy", "engine", "transformers"}

@@ -2,7 +2,7 @@
 
 Before, `WorkerLoop.start()` registered outside the loop's outage handling: a worker (re)started during a
 queue failover exited on the first NOREPLICAS. And the loop's backoff doubled to 8-16 s during that
-window, so a worker slept long after the new primary took writes again (worker/backoff.py).
+window, so a worker slept long after the new primary took writes again (worker/loop/backoff.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer.wire.redis_url import WriteRefusedError
 from tests.worker.harness import Harness
-from worker.backoff import REFUSED_CAP_S, Backoff
+from worker.jobs.rqexec import KvrqWorker
+from worker.loop.backoff import REFUSED_CAP_S, Backoff
 from worker.loop.worker_loop import WorkerLoop
-from worker.rqexec import KvrqWorker
 
 
 @pytest.fixture

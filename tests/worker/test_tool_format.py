@@ -8,10 +8,10 @@ from typing import Any
 
 from producer.models import GenerationRequest
 from tests.worker.test_tool_grammar import WEATHER, compiler, splitter, tokenizer  # noqa: F401 (fixtures)
-from worker.agent_output import splitter_for
-from worker.prompts import prompt_tokens
-from worker.tool_format import MARKERS, written_into_messages
-from worker.tool_grammar import forced_tool_calls
+from worker.requests.output_split import splitter_for
+from worker.requests.prompts import prompt_tokens
+from worker.requests.tool_format import MARKERS, written_into_messages
+from worker.requests.tool_grammar import forced_tool_calls
 
 CALL = {
     "id": "call_1",

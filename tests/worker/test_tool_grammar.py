@@ -1,5 +1,6 @@
-"""Forced tool calls (worker/tool_grammar.py): the grammar admits exactly the calls tool_choice allows, in the
-template's format, with arguments valid for the tool's schema; what it cannot enforce is refused by name.
+"""Forced tool calls (worker/requests/tool_grammar.py): the grammar admits exactly the calls tool_choice
+allows, in the template's format, with arguments valid for the tool's schema; what it cannot enforce is
+refused by name.
 
 Checked with llguidance over the builtin SmolLM2 tokenizer, text fed token by token as a model would write it.
 """
@@ -18,9 +19,10 @@ from engine.core.errors import InvalidRequestError
 from engine.models.gguf_smollm2 import gguf_path
 from engine.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 from producer.models import GenerationRequest
-from worker.agent_output import OutputSplitter, stop_after_one_call
-from worker.jobs import JobRejected, checked_sampling, sampling_of
-from worker.tool_grammar import forced_tool_calls
+from worker.jobs.payload import JobRejected
+from worker.requests.output_split import OutputSplitter, stop_after_one_call
+from worker.requests.sampling import checked_sampling, sampling_of
+from worker.requests.tool_grammar import forced_tool_calls
 
 WEATHER = {
     "type": "function",

@@ -37,8 +37,8 @@ from producer.wire.protocol import (
 )
 from producer.wire.redis_url import connect
 from producer.wire.text import as_text
-from worker.latency import percentiles
-from worker.maintenance import clean_queues
+from worker.fleet.latency import percentiles
+from worker.fleet.maintenance import clean_queues
 
 
 def generate(

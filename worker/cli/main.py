@@ -204,7 +204,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     )
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("rq.worker").setLevel(logging.WARNING)  # kvrq logs one line per job itself
-    from worker.serve import serve
+    from worker.process import serve
 
     return serve(settings)
 

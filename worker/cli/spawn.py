@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from producer.wire.protocol import DEFAULT_QUEUE
 from producer.wire.redis_url import connect
-from worker import rqexec
+from worker.jobs import rqexec
 
 
 def free_port() -> int:

@@ -29,10 +29,10 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from producer.wire.redis_url import connect
-from worker import rqexec
 from worker.cli.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from worker.cli.dashboard import LOOPBACK, add_dashboard_command
 from worker.cli.serve_http import DEFAULT_PORT as DEFAULT_HTTP_PORT
+from worker.jobs import rqexec
 
 DEFAULT_REDIS_PORT = 6379
 REDIS_PORT_ENV = "KVRQ_REDIS_PORT"  # the Procfile's variables, so both start the same stack

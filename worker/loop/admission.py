@@ -20,20 +20,19 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
 from producer.wire.protocol import ErrorCode
-from worker import conversations
-from worker.agent_output import stop_after_one_call
-from worker.agent_turns import AgentTurns
-from worker.jobs import JobRejected
+from worker.fleet.agent_turns import AgentTurns
+from worker.jobs.payload import JobRejected
 from worker.loop.held import HeldJob
-from worker.loop.intake import prepare
 from worker.loop.outcomes import Ending, Failed, Outcome
+from worker.loop.ports import Engine, Store
 from worker.loop.publisher import Publisher
+from worker.loop.recent_prefixes import RecentPrefixes
 from worker.loop.scheduler import Scheduler
 from worker.loop.step import StepClock
 from worker.loop.timeline import mark
-from worker.ports import Engine, Store
-from worker.prompts import PromptError
-from worker.recent_prefixes import RecentPrefixes
+from worker.requests import stored_conversations
+from worker.requests.prepare import prepare
+from worker.requests.prompts import PromptError
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -184,24 +183,25 @@ class Admitter:
         and become an ordinary job (Ready when it may be submitted now)."""
         namespace = held.namespace(self.settings.namespace)
         if held.source is None:
-            held.source = conversations.start_read(self.store, held.request, held.fence, namespace)
+            held.source = stored_conversations.start_read(self.store, held.request, held.fence, namespace)
         if not held.source.done():
             return Wait("its agent's conversation (reading)")
         source = self._prefetched(held, held.source)
         try:
-            request, _stored = conversations.resolve(self.connection, held.request, source, held.id)
-            tokens, output, sampling = prepare(self.engine, request)
+            request, _stored = stored_conversations.resolve(self.connection, held.request, source, held.id)
+            prepared = prepare(self.engine, request)
         except (JobRejected, PromptError) as exc:
             return Failed(ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}", retry=False)
-        verdict = self.engine.admission(len(tokens), sampling.max_tokens)
+        tokens = prepared.prompt_tokens
+        verdict = self.engine.admission(len(tokens), prepared.sampling.max_tokens)
         if verdict.verdict == "never":
-            reason = conversations.context_message(held.request, len(tokens), verdict.reason)
+            reason = stored_conversations.context_message(held.request, len(tokens), verdict.reason)
             return Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, reason, retry=False)
         held.stored_messages = len(request.messages or ()) - len(held.request.messages or ())
-        held.request, held.prompt_tokens, held.output = request, tokens, output
-        held.sampling = stop_after_one_call(sampling, output, request)
+        held.request, held.prompt_tokens, held.output = request, tokens, prepared.output
+        held.sampling = prepared.sampling
         self.engine.reserve(len(tokens), held.sampling.max_tokens)
-        cache = conversations.reusable_part(source, tokens)
+        cache = stored_conversations.reusable_part(source, tokens)
         if self.recent is not None:  # a new agent (a response's first turn) starts from a recent prefix
             recent = self.recent.longest(tokens, held.tenant(self.settings.namespace))
             if recent is not None and (cache is None or recent.n_tokens > cache.n_tokens):

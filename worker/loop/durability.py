@@ -2,7 +2,7 @@
 locks they keep until then.
 
 An agent's lock is released only once its job's cache put is durable in the shared store (or has
-failed), so the agent's next job, on any worker, resumes from it (worker/agent_turns.py). The
+failed), so the agent's next job, on any worker, resumes from it (worker/fleet/agent_turns.py). The
 store's put is a Future (write-behind); this is the only place that holds those Futures.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from worker.agent_turns import AgentTurns
+from worker.fleet.agent_turns import AgentTurns
 from worker.loop.held import HeldJob
 
 log = logging.getLogger("kvrq.worker")

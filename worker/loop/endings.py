@@ -2,7 +2,7 @@
 
 `end` takes the job out of the scheduler and the engine at once; `flush` writes each decided ending,
 step by step (cache, stream, rq, agent turn), each step once even when a Redis outage interrupts
-them, and again where a failover dropped them (worker/confirmed_endings.py). Every phase of the loop
+them, and again where a failover dropped them (worker/fleet/confirmed_endings.py). Every phase of the loop
 returns its endings as values; only the loop hands them here.
 """
 
@@ -19,20 +19,21 @@ from rq.job import Job
 from rq.queue import Queue
 
 from producer.wire.protocol import ERROR_META_KEY, ErrorCode
-from worker import conversations, rqexec
-from worker.affinity import Affinity
-from worker.agent_turns import AgentTurns
-from worker.confirmed_endings import ConfirmedEndings
-from worker.latency import LatencyHistograms
-from worker.logprobs import LogprobFormatter
+from worker.fleet.affinity import Affinity
+from worker.fleet.agent_turns import AgentTurns
+from worker.fleet.confirmed_endings import ConfirmedEndings
+from worker.fleet.latency import LatencyHistograms
+from worker.jobs import rqexec
 from worker.loop.durability import Durability
 from worker.loop.held import HeldJob
 from worker.loop.outcomes import Canceled, Ending, Failed, Finished, HandedBack, Outcome, Stopped, TakenOver
+from worker.loop.ports import Engine, Store
 from worker.loop.publisher import Publisher
+from worker.loop.recent_prefixes import RecentPrefixes
 from worker.loop.results import answer_finish_reason, build_result, cache_label, job_observations
 from worker.loop.scheduler import Scheduler
-from worker.ports import Engine, Store
-from worker.recent_prefixes import RecentPrefixes
+from worker.requests import stored_conversations
+from worker.requests.logprobs import LogprobFormatter
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ class Endings:
             return
         result = self._result(held, outcome)
         own = len(held.request.messages or ()) - held.stored_messages
-        conversation = conversations.record(self.connection, held.request, own, result, held.fence)
+        conversation = stored_conversations.record(self.connection, held.request, own, result, held.fence)
         cache = outcome.completion.cache
         if cache is None or self.store is None:
             return

@@ -16,7 +16,7 @@ from producer.models import GenerationRequest
 
 if TYPE_CHECKING:
     from engine.core.blocks import AgentCache
-    from worker.agent_output import OutputSplitter
+    from worker.requests.output_split import OutputSplitter
 
 #: Where a held job is inside this worker. "waiting": held, not yet in the engine (for a slot,
 #: KV blocks, its agent's turn or its cache); "running": in the engine; "ending": its outcome
@@ -52,8 +52,8 @@ class HeldJob:
     output: OutputSplitter | None = (
         None  # splits reasoning and tool calls from the answer; None: nothing to split
     )
-    #: A continue / fork job whose prompt waits for its stored conversation (worker/conversations.py);
-    #: `source` reads the cache that conversation came with.
+    #: A continue / fork job whose prompt waits for its stored conversation
+    #: (worker/requests/stored_conversations.py); `source` reads the cache that conversation came with.
     extending: bool = False
     source: Future[AgentCache | None] | None = None
     stored_messages: int = 0  # of request.messages, those the stored conversation gave (the rest: the job's)

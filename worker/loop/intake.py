@@ -1,13 +1,9 @@
-"""Intake: a dequeued rq job becomes a HeldJob (validated, tokenized, started in rq, in its agent's
-line), or a `Rejected` value the loop hands to the endings; nothing here ends a job itself.
-
-`prepare` is the one way a request becomes prompt tokens, an answer splitter and checked sampling
-(also used by admission, once a continue / fork job's stored conversation is read).
-"""
+"""Intake: a dequeued rq job becomes a HeldJob (validated, prepared: worker/requests/prepare.py,
+started in rq, in its agent's line), or a `Rejected` value the loop hands to the endings; nothing
+here ends a job itself."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -16,23 +12,23 @@ from rq.queue import Queue
 
 from producer.models import GenerationRequest
 from producer.wire.protocol import ERROR_META_KEY, FIRST_ENQUEUED_META_KEY, cancel_key
-from worker import rqexec
-from worker.affinity import Affinity
-from worker.agent_output import OutputSplitter, refuse_grammar_in_reasoning, splitter_for, stop_after_one_call
-from worker.agent_turns import AgentTurns
-from worker.jobs import JobRejected, checked_sampling, request_from_job, sampling_of
+from worker.fleet.affinity import Affinity
+from worker.fleet.agent_turns import AgentTurns
+from worker.jobs import rqexec
+from worker.jobs.payload import JobRejected, request_from_job
 from worker.loop.endings import Rejected
 from worker.loop.held import HeldJob
+from worker.loop.ports import Engine
 from worker.loop.publisher import Publisher
 from worker.loop.scheduler import Scheduler
 from worker.loop.step import StepClock
 from worker.loop.timeline import mark
-from worker.ports import Engine
-from worker.prompts import PromptError, prompt_tokens
-from worker.tool_grammar import forced_tool_calls
+from worker.requests.prepare import Prepared, prepare
+from worker.requests.prompts import PromptError
+from worker.requests.sampling import sampling_of
 
 if TYPE_CHECKING:
-    from engine.core.params import SamplingParams
+    pass
 
 
 class Intake:
@@ -83,20 +79,19 @@ class Intake:
         try:
             request = request_from_job(job)
             if request.extends_conversation:  # its prompt waits for the stored conversation (admission)
-                return self._hold(job, queue, request, sampling_of(request), [], None, dequeued)
-            tokens, output, sampling = prepare(self.engine, request)
+                prepared = Prepared([], None, sampling_of(request))
+            else:
+                prepared = prepare(self.engine, request)
         except (JobRejected, PromptError) as exc:
             return Rejected(job, queue, f"{type(exc).__name__}: {exc}")
-        return self._hold(job, queue, request, sampling, tokens, output, dequeued)
+        return self._hold(job, queue, request, prepared, dequeued)
 
     def _hold(
         self,
         job: Job,
         queue: Queue,
         request: GenerationRequest,
-        sampling: SamplingParams,
-        tokens: list[int],
-        output: OutputSplitter | None,
+        prepared: Prepared,
         dequeued: float,
     ) -> HeldJob:
         """Mark a valid job started, stand it in its agent's line and queue it for admission."""
@@ -109,49 +104,29 @@ class Intake:
             queue=queue,
             execution=execution,
             request=request,
-            sampling=stop_after_one_call(sampling, output, request),
-            prompt_tokens=tokens,
-            output=output,
+            sampling=prepared.sampling,
+            prompt_tokens=prepared.prompt_tokens,
+            output=prepared.output,
             enqueued_at=enqueued,
             first_enqueued_at=first,
             held_at=time.monotonic(),
             extending=request.extends_conversation,
         )
         self.scheduler.add(held)  # held from here on: an outage below cannot orphan it
-        if held.agent_id is not None:
-            self.turns.join(held.agent_id, held.id, first)
+        if request.agent_id is not None:
+            self.turns.join(request.agent_id, job.id, first)
         held.cancel_requested = bool(self.connection.exists(cancel_key(job.id)))
         self.publisher.start(job.id, execution.id)
-        self.publisher.progress(job, phase="waiting", worker=self.worker.name, prompt_tokens=len(tokens))
+        self.publisher.progress(
+            job, phase="waiting", worker=self.worker.name, prompt_tokens=len(prepared.prompt_tokens)
+        )
         held.timeline.update(enqueued=enqueued, dequeued=dequeued, dequeued_step=self.clock.count)
         mark(held, "held", self.clock.count)
-        if tokens:  # its KV buffers, made while it waits for its turn and cache (engine.reserve)
-            self.engine.reserve(len(tokens), held.sampling.max_tokens)
+        if (
+            prepared.prompt_tokens
+        ):  # its KV buffers, made while it waits for its turn and cache (engine.reserve)
+            self.engine.reserve(len(prepared.prompt_tokens), prepared.sampling.max_tokens)
         return held
-
-
-def prepare(
-    engine: Engine, request: GenerationRequest
-) -> tuple[list[int], OutputSplitter | None, SamplingParams]:
-    """The request's prompt tokens, answer splitter and checked sampling (JobRejected / PromptError)."""
-    tokenizer = engine.tokenizer
-    tokens = prompt_tokens(tokenizer, request)
-    output = splitter_for(tokenizer, request, tokens)
-    forced = forced_tool_calls(tokenizer, request, output)
-    sampling = _fitted(engine, checked_sampling(request, engine.check, forced), request, len(tokens))
-    refuse_grammar_in_reasoning(sampling, output)
-    return tokens, output, sampling
-
-
-def _fitted(
-    engine: Engine, sampling: SamplingParams, request: GenerationRequest, n_prompt: int
-) -> SamplingParams:
-    """With max_tokens_fit, max_tokens cut to what the context leaves after a prompt that fits (one
-    that alone fills the context is still refused, with both numbers, at admission)."""
-    room = engine.max_context - n_prompt
-    if not request.max_tokens_fit or room <= 0 or sampling.max_tokens <= room:
-        return sampling
-    return dataclasses.replace(sampling, max_tokens=room)
 
 
 def _first_enqueued(job: Job, enqueued: float) -> float:

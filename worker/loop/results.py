@@ -8,14 +8,14 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from producer.models import FinishReason, GenerationResult, Timings, Usage
-from worker.latency import CacheLabel, Observations
-from worker.logprobs import LogprobFormatter
+from worker.fleet.latency import CacheLabel, Observations
 from worker.loop.held import HeldJob
-from worker.schema_check import schema_check
+from worker.requests.logprobs import LogprobFormatter
+from worker.requests.schema_check import schema_check
 
 if TYPE_CHECKING:
     from engine.core.results import Completion
-    from worker.agent_output import OutputSplitter
+    from worker.requests.output_split import OutputSplitter
 
 
 def timings(held: HeldJob, completion: Completion | None, ended: float) -> Timings:
@@ -88,7 +88,7 @@ def job_observations(held: HeldJob, completion: Completion | None, ended: float)
 
 
 def cache_label(held: HeldJob) -> CacheLabel:
-    """The histograms' `cache` label of an ended job (worker/latency.py)."""
+    """The histograms' `cache` label of an ended job (worker/fleet/latency.py)."""
     if held.cache_hit is None:
         return "none"
     return "hit" if held.cache_hit else "miss"

@@ -15,18 +15,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from producer.wire.protocol import ErrorCode
-from worker.logprobs import LogprobFormatter
 from worker.loop.held import HeldJob
 from worker.loop.outcomes import Ending, Failed, Finished
+from worker.loop.ports import Engine
 from worker.loop.publisher import Publisher
 from worker.loop.scheduler import Scheduler
 from worker.loop.timeline import mark
-from worker.ports import Engine
+from worker.requests.logprobs import LogprobFormatter
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from engine.core.results import StepOutput
-    from worker.agent_output import Piece
+    from worker.requests.output_split import Piece
 
 log = logging.getLogger("kvrq.worker")
 

@@ -11,7 +11,7 @@ from typing import Any
 from redis import Redis
 
 from producer.wire.protocol import ErrorCode, cancel_key
-from worker import rqexec
+from worker.jobs import rqexec
 from worker.loop.outcomes import Canceled, Ending, Failed, HandedBack, Stopped
 from worker.loop.scheduler import Scheduler
 

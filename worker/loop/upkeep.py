@@ -1,6 +1,7 @@
 """The loop's periodic duties toward rq and the fleet: heartbeats (held jobs, agent locks, the worker's
 hash), crash re-runs of dead workers' jobs, rq's registry cleanup and rq's scheduler
-(worker/scheduled.py: why not a forked process). A heartbeat returns the held jobs found taken over."""
+(worker/jobs/scheduled_jobs.py: why not a forked process). A heartbeat returns the held jobs found
+taken over."""
 
 from __future__ import annotations
 
@@ -28,16 +29,16 @@ from producer.wire.protocol import (
     RUNNING_FIELD,
     WAITING_FIELD,
 )
-from worker import rqexec
-from worker.agent_turns import AgentTurns
-from worker.latency import LatencyHistograms
-from worker.liveness import LivenessBeacon
+from worker.fleet.agent_turns import AgentTurns
+from worker.fleet.latency import LatencyHistograms
+from worker.fleet.liveness import LivenessBeacon
+from worker.fleet.maintenance import clean_queues, rerun_crashed
+from worker.fleet.memory import memory_field
+from worker.jobs import rqexec
+from worker.jobs.scheduled_jobs import ScheduledJobs
 from worker.loop.outcomes import Ending, TakenOver
+from worker.loop.ports import Engine, Store
 from worker.loop.scheduler import Scheduler
-from worker.maintenance import clean_queues, rerun_crashed
-from worker.memory import memory_field
-from worker.ports import Engine, Store
-from worker.scheduled import ScheduledJobs
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("kvrq.worker")

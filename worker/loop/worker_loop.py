@@ -26,25 +26,25 @@ from collections import deque
 from types import FrameType
 
 from producer.wire.redis_url import REDIS_DOWN
-from worker import rqexec
-from worker.affinity import Affinity
-from worker.agent_turns import AgentTurns
-from worker.backoff import Backoff
-from worker.confirmed_endings import ConfirmedEndings
-from worker.latency import LatencyHistograms
-from worker.liveness import LivenessBeacon
-from worker.logprobs import LogprobFormatter
+from worker.fleet.affinity import Affinity
+from worker.fleet.agent_turns import AgentTurns
+from worker.fleet.confirmed_endings import ConfirmedEndings
+from worker.fleet.latency import LatencyHistograms
+from worker.fleet.liveness import LivenessBeacon
+from worker.jobs import rqexec
 from worker.loop.admission import Admitter
+from worker.loop.backoff import Backoff
 from worker.loop.endings import Endings, Rejected
 from worker.loop.intake import Intake
 from worker.loop.outcomes import COUNTERS, Ending
+from worker.loop.ports import Engine, Store
 from worker.loop.publisher import Publisher
+from worker.loop.recent_prefixes import RecentPrefixes
 from worker.loop.scheduler import Scheduler
 from worker.loop.step import Stepper
 from worker.loop.stops import Stops
 from worker.loop.upkeep import Upkeep
-from worker.ports import Engine, Store
-from worker.recent_prefixes import RecentPrefixes
+from worker.requests.logprobs import LogprobFormatter
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("kvrq.worker")
@@ -58,7 +58,7 @@ COUNT_NAMES = (
     "crash_reruns",
     "cache_put_failed",
     "stale_puts",
-    "endings_rewritten",  # dropped by a failover, written again (worker/confirmed_endings.py)
+    "endings_rewritten",  # dropped by a failover, written again (worker/fleet/confirmed_endings.py)
     "releases_rewritten",  # agent-turn releases a failover dropped, made again (agent_turns.py)
 )
 

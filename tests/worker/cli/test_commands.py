@@ -37,7 +37,7 @@ from producer.wire.protocol import (
 from tests.producer.fakes import fake_redis
 from tests.worker.harness import Harness
 from worker.cli import commands
-from worker.latency import LatencyHistograms
+from worker.fleet.latency import LatencyHistograms
 
 
 def serve_fake(monkeypatch: pytest.MonkeyPatch, connection: Redis) -> None:

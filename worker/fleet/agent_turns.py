@@ -14,7 +14,7 @@ Three Redis records per agent (keys in producer/wire/protocol.py):
   replica holds its lock and fence, so a failover cannot hand one fence to two turns.
 
 A dead worker's locks are freed by whoever notices its death (`release_dead_worker`). On a
-replicated Redis a release is confirmed like a job's ending (worker/confirmed_endings.py): a failover
+replicated Redis a release is confirmed like a job's ending (worker/fleet/confirmed_endings.py): a failover
 that dropped it would leave the agent's next turn waiting out the lock's TTL (90 s by default), so a
 release found undone on the new primary is made again (`confirm_releases`).
 The remaining race: two workers that dequeue two jobs of one agent within the same few
@@ -32,7 +32,7 @@ from rq.job import Job, JobStatus
 from producer.wire.protocol import agent_fence_key, agent_jobs_key, agent_lock_key, worker_agents_key
 from producer.wire.redis_url import wait_replicated
 from producer.wire.text import as_text
-from worker.replica_reads import ReplicaReads
+from worker.fleet.replica_reads import ReplicaReads
 
 log = logging.getLogger("kvrq.worker")
 
@@ -131,7 +131,7 @@ class AgentTurns:
 
     def confirm_releases(self) -> int:
         """Make again the lock releases a failover dropped (the lock is ours again on the new primary,
-        though this worker let it go); how many. 0 while no replica confirms (worker/replica_reads.py).
+        though this worker let it go); how many. 0 while no replica confirms (worker/fleet/replica_reads.py).
         Raises redis-py's ConnectionError when Redis is away."""
         found = self._released.read_back(lambda pipe, released: pipe.get(agent_lock_key(released[0])))
         again = 0

@@ -1,6 +1,6 @@
 """Crash re-runs and abandoned-job cleanup: what makes a `kill -9` lose no job.
 
-A started job whose kvrq worker has no liveness key any more (worker/liveness.py: gone
+A started job whose kvrq worker has no liveness key any more (worker/fleet/liveness.py: gone
 within seconds of a `kill -9`), or whose execution heartbeat expired (a worker stuck for
 minutes), is re-queued at the front of its queue and runs again, from a crash budget of
 its own (default 2 re-runs, separate from `retries`); past it, it fails with
@@ -24,9 +24,9 @@ from rq.queue import Queue
 from rq.registry import clean_registries
 
 from producer.wire.protocol import CAPACITY_FIELD, SERIALIZER, shared_queue_of
-from worker import rqexec
-from worker.agent_turns import release_dead_worker
-from worker.liveness import alive
+from worker.fleet.agent_turns import release_dead_worker
+from worker.fleet.liveness import alive
+from worker.jobs import rqexec
 
 #: Crash re-runs a job gets when neither it nor the worker says otherwise.
 DEFAULT_CRASH_RERUNS = 2

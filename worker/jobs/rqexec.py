@@ -51,7 +51,7 @@ from producer.wire.protocol import (
     worker_queue_name,
 )
 from producer.wire.text import as_text
-from worker.job_data import BoundedJob
+from worker.jobs.bounded_job import BoundedJob
 
 log = logging.getLogger("kvrq.worker")
 COMMAND_LISTENER_RETRY_S = 2.0  # rq's own pause before its pubsub thread reconnects
@@ -388,7 +388,7 @@ def set_busy(worker: KvrqWorker, busy: bool) -> None:
         worker.set_state(state)
 
 
-# ---- crash re-runs (a dead worker's executions, found by worker/maintenance.py) --------------
+# ---- crash re-runs (a dead worker's executions, found by worker/fleet/maintenance.py) --------------
 
 
 def started_executions(queue: Queue) -> list[Execution]:

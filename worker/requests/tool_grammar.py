@@ -18,8 +18,9 @@ from typing import Any
 
 from engine.core.params import OutputGrammar, with_json_whitespace
 from producer.models import GenerationRequest, NamedToolChoice, tool_choice_text
-from worker.agent_output import OutputSplitter, one_call
-from worker.jobs import JobRejected
+from worker.jobs.payload import JobRejected
+from worker.requests.output_split import OutputSplitter
+from worker.requests.tool_format import one_call
 
 JSON_TOOL_MARKERS = ("<tool_call>", "</tool_call>")
 #: Between a marker and the call's JSON, and between two calls: what templates write (a line break).

@@ -2,7 +2,7 @@
 
 Kept as plain bucket counts (prometheus_client is optional: `kvrq[metrics]`), labelled by how
 the job ended and whether it resumed from a saved cache. The metrics endpoint serves them as
-Prometheus histograms (worker/metrics.py); the worker's rq hash carries them summed over the
+Prometheus histograms (worker/fleet/metrics.py); the worker's rq hash carries them summed over the
 labels (LATENCY_FIELD, each heartbeat), from which `kvrq status` prints p50/p95 per worker with
 the interpolation PromQL's `histogram_quantile` uses, so both agree. What one job contributes:
 worker/loop/results.py (`job_observations`). No engine import: `kvrq status` reads this module.

@@ -1,12 +1,13 @@
-"""Tool calling for chat templates that declare none (the builtin SmolLM2's among them).
+"""The request's tools: whether they reach the template, and tool calling for chat templates that
+declare none (the builtin SmolLM2's among them).
 
 Such a template cannot render `tools`, an assistant's `tool_calls` or a `tool` message, so kvrq writes them
 into the conversation itself, in the Hermes format many models were trained on: the tools described in the
 system message, each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the assistant's
 text, each result as a user turn inside `<tool_response>`. The calls are parsed with mlx-lm's json_tools
 parser, and `tool_choice` "required" or a named function is enforced by the same grammar as for templates
-that use that format natively (worker/tool_grammar.py). A call written back renders as the model wrote
-it, so the agent's KV resumes across the round trip.
+that use that format natively (worker/requests/tool_grammar.py). A call written back renders as the model
+wrote it, so the agent's KV resumes across the round trip.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 from typing import Any
 
 from mlx_lm.tool_parsers import json_tools
+
+from producer.models import GenerationRequest, NamedToolChoice
 
 MARKERS = (json_tools.tool_call_start, json_tools.tool_call_end)
 parse_tool_call = json_tools.parse_tool_call
@@ -64,3 +67,17 @@ def _call_text(function: dict[str, Any]) -> str:
     else:
         body = json.dumps({"name": function["name"], "arguments": arguments})
     return f"{MARKERS[0]}\n{body}\n{MARKERS[1]}"
+
+
+def tools_rendered(request: GenerationRequest) -> bool:
+    """Whether the request's tools go to the template (tool_choice "none": the model is not offered them)."""
+    return bool(request.tools) and request.tool_choice != "none"
+
+
+def tool_dicts(request: GenerationRequest) -> list[dict[str, Any]]:
+    return [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or ()]
+
+
+def one_call(request: GenerationRequest) -> bool:
+    """Whether the answer holds at most one tool call: parallel_tool_calls false, or a named tool."""
+    return request.parallel_tool_calls is False or isinstance(request.tool_choice, NamedToolChoice)

@@ -29,8 +29,8 @@ from producer.conversation import (
     write_conversation,
 )
 from producer.models import ChatMessage, GenerationRequest, ToolCall
-from worker.jobs import JobRejected
-from worker.ports import Store
+from worker.jobs.payload import JobRejected
+from worker.loop.ports import Store
 
 
 def source_agent(request: GenerationRequest) -> str:

@@ -1,7 +1,7 @@
 """What a worker wrote on a replicated Redis, read back once a replica holds it.
 
 A write the old primary acknowledged just before a failover may be gone on the new one. Job endings
-(worker/confirmed_endings.py) and agent-turn releases (worker/agent_turns.py) each keep what they
+(worker/fleet/confirmed_endings.py) and agent-turn releases (worker/fleet/agent_turns.py) each keep what they
 wrote here, and ask about all of it with one `WAIT` and one read each (`read_after_wait`): while no
 replica confirms, they are asked again every CONFIRM_RETRY_S, for FAILOVER_BUDGET_S. Nothing is kept
 on a plain URL. No engine import: the client commands load this module.

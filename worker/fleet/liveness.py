@@ -3,7 +3,7 @@ noticed within seconds (rq's own job heartbeats expire after minutes).
 
 The beacon runs beside the engine loop, so a long step does not make a live worker look
 dead; a `kill -9`, an OOM kill or a lost host stops it. Workers and `kvrq maintenance`
-re-run the jobs of workers whose key is gone (worker/maintenance.py).
+re-run the jobs of workers whose key is gone (worker/fleet/maintenance.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An optional Prometheus endpoint (`--metrics-port`, off unless asked, loopback by default).
 
 Nothing is pushed: a scrape reads the worker's own counters (`WorkerLoop.counts`), its store's
-counters, its per-job latency histograms (worker/latency.py) and the queue depths at that moment.
+counters, its per-job latency histograms (worker/fleet/latency.py) and the queue depths at that moment.
 Rates and quantiles are the scraper's job: `rate(kvrq_generated_tokens_total[1m])`, the
 PromQL list in docs/worker.md.
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from producer.wire.protocol import shared_queue_of
-from worker.latency import HISTOGRAMS, LatencyHistograms
+from worker.fleet.latency import HISTOGRAMS, LatencyHistograms
 from worker.loop.outcomes import COUNTERS
 
 if TYPE_CHECKING:

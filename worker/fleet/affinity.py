@@ -22,7 +22,7 @@ from producer.wire.protocol import (
     shared_queue_of,
     worker_alive_key,
 )
-from worker import rqexec
+from worker.jobs import rqexec
 
 #: Seconds between looks at other workers' queues (each look is a few Redis round trips).
 LOOK_INTERVAL_S = 0.5

@@ -12,10 +12,10 @@ from redis import Redis
 
 from producer.wire.redact import redact_url
 from producer.wire.redis_url import REDIS_DOWN, connect
-from worker.backoff import Backoff
+from worker.fleet.memory import return_large_frees_to_the_os
+from worker.jobs.rqexec import KvrqWorker
+from worker.loop.backoff import Backoff
 from worker.loop.worker_loop import WorkerLoop
-from worker.memory import return_large_frees_to_the_os
-from worker.rqexec import KvrqWorker
 from worker.settings import WorkerSettings
 from worker.warmup import (
     keep_buffers_for_returning_agents,
@@ -106,7 +106,7 @@ def serve(settings: WorkerSettings) -> int:
     loop.install_signal_handlers()
     loop.start()
     if settings.metrics_port is not None:
-        from worker.metrics import serve_metrics
+        from worker.fleet.metrics import serve_metrics
 
         serve_metrics(loop, settings.metrics_port, settings.metrics_host)
         log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)

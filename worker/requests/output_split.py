@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.core.params import SamplingParams
-from producer.models import GenerationRequest, NamedToolChoice, ToolCall, ToolCallFunction
-from worker import tool_format
-from worker.jobs import JobRejected
-from worker.tool_format import native_tool_calling
+from producer.models import GenerationRequest, ToolCall, ToolCallFunction
+from worker.jobs.payload import JobRejected
+from worker.requests import tool_format
+from worker.requests.tool_format import native_tool_calling, one_call, tool_dicts, tools_rendered
 
 Part = Literal["text", "reasoning", "tool"]
 
@@ -202,11 +202,6 @@ def refuse_grammar_in_reasoning(sampling: SamplingParams, output: OutputSplitter
         )
 
 
-def one_call(request: GenerationRequest) -> bool:
-    """Whether the answer holds at most one tool call: parallel_tool_calls false, or a named tool."""
-    return request.parallel_tool_calls is False or isinstance(request.tool_choice, NamedToolChoice)
-
-
 def stop_after_one_call(
     sampling: SamplingParams, output: OutputSplitter | None, request: GenerationRequest
 ) -> SamplingParams:
@@ -215,12 +210,3 @@ def stop_after_one_call(
     if output is None or output.tool_markers is None or not one_call(request):
         return sampling
     return dataclasses.replace(sampling, stop=(*sampling.stop, output.tool_markers[1]))
-
-
-def tools_rendered(request: GenerationRequest) -> bool:
-    """Whether the request's tools go to the template (tool_choice "none": the model is not offered them)."""
-    return bool(request.tools) and request.tool_choice != "none"
-
-
-def tool_dicts(request: GenerationRequest) -> list[dict[str, Any]]:
-    return [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or ()]

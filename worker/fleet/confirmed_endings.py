@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from redis import Redis
 from rq.job import JobStatus
 
+from worker.fleet.replica_reads import ReplicaReads
 from worker.loop.held import HeldJob
 from worker.loop.outcomes import Failed, Finished, Outcome
-from worker.replica_reads import ReplicaReads
 
 log = logging.getLogger("kvrq.worker")
 

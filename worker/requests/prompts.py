@@ -3,7 +3,7 @@
 Both producers and tests call this, so "the same request" means the same tokens everywhere.
 Tools and `chat_template_kwargs` go to the template as mlx-lm's server hands them over; for a template
 that declares no tool calling, kvrq writes the tools, calls and results into the messages
-(worker/tool_format.py).
+(worker/requests/tool_format.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from producer.models import GenerationRequest
-from worker.agent_output import tool_dicts, tools_rendered
-from worker.tool_format import native_tool_calling, written_into_messages
+from worker.requests.tool_format import native_tool_calling, tool_dicts, tools_rendered, written_into_messages
 
 
 class PromptError(ValueError):
