@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 from engine.core.errors import CacheMismatchError
 from engine.kv.quantized import dequantize_cache
-from store.disk import DiskStore
+from store.disk import MANIFEST, DiskStore
 from store.redis_store import RedisStore
 from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
 
@@ -165,3 +167,24 @@ def test_every_store_satisfies_the_protocol(backend_factory: Factory, tmp_path: 
     hot = open_store(f"disk:{tmp_path}/hot", tiny_spec())
     assert isinstance(hot, CacheStore)
     hot.close()
+
+
+def set_last_used(store: DiskStore | RedisStore, agent_id: str, when: float) -> None:
+    """Record `when` as the agent's last use where each backend keeps it (disk: its manifest's
+    mtime; Redis: its score in the index)."""
+    if isinstance(store, DiskStore):
+        os.utime(store._agent_dir(agent_id) / MANIFEST, (when, when))
+    else:
+        store._client.zadd(store.keys.index, {agent_id: when}, xx=True)
+
+
+def test_get_refreshes_last_used(backend_factory: Factory) -> None:
+    spec = tiny_spec()
+    store = backend_factory(spec)
+    store.put("a", make_cache(spec, tokens(20)))
+    set_last_used(store, "a", 1000.0)
+    info = store.info("a")
+    assert info is not None and info.last_used == 1000.0
+    assert store.get("a") is not None
+    info = store.info("a")
+    assert info is not None and info.last_used > time.time() - 60

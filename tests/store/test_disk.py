@@ -107,17 +107,6 @@ def test_ttl_expires_unused_agents(tmp_path: Path) -> None:
     assert not store._agent_dir("old").exists()
 
 
-def test_get_refreshes_last_used(tmp_path: Path) -> None:
-    spec = tiny_spec()
-    store = DiskStore(tmp_path / "s", spec)
-    store.put("a", make_cache(spec, tokens(20)))
-    manifest = store._agent_dir("a") / MANIFEST
-    os.utime(manifest, (1000, 1000))
-    assert store.get("a") is not None
-    info = store.info("a")
-    assert info is not None and info.last_used > time.time() - 60
-
-
 def test_budget_counts_damaged_caches_and_can_evict_them(tmp_path: Path) -> None:
     spec = tiny_spec()
     store = DiskStore(tmp_path / "s", spec)

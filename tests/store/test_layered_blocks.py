@@ -1,5 +1,5 @@
 """The store with models whose layers are not all plain full attention (store/layered_codec.py):
-real caches from tiny random models, through a DiskStore.
+real caches from tiny random models, through every backend.
 
 A sliding window moves on and SSM checkpoints age out, so the same tokens' block holds less at
 a later put: the block's layout is part of its reuse key and such a block is written again, and
@@ -7,6 +7,8 @@ what the store holds is only what the window and the last checkpoints need."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,11 +17,15 @@ from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.blocks import AgentCache
 from engine.core.params import SamplingParams
 from engine.kv.layered import KEEP_CHECKPOINTS
+from store.backend import BlockBackend
 from store.disk import DiskStore
 from tests.engine.test_families import prompt_of, run_all
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
+Factory = Callable[..., BlockBackend]
 
+
+@functools.cache  # one engine run per model for every backend of the matrix (the caches are only read)
 def two_turns(arch: str, first_prompt: int, more: int) -> tuple[BlockPoolBatchEngine, AgentCache, AgentCache]:
     engine = BlockPoolBatchEngine(
         tiny_model(arch), ByteTokenizer(), model_name=f"tiny-{arch}", pool_blocks=32, max_context=4096
@@ -39,11 +45,11 @@ def held_tokens(cache: AgentCache, layer: int) -> int:
     return sum(int(block.keys[layer].shape[1]) for block in cache.blocks)
 
 
-def test_a_block_the_window_left_is_written_again_without_it(tmp_path: Path) -> None:
+def test_a_block_the_window_left_is_written_again_without_it(backend_factory: Factory) -> None:
     engine, first, second = two_turns("gemma3_text", 761, 300)  # window 32; the ragged batch keeps 761 + 7
     assert first.n_tokens == 768  # the window [736, 768) lies in full block 2
     assert first.blocks[2].layout() != ""
-    store = DiskStore(tmp_path, engine.spec)
+    store = backend_factory(engine.spec)
     store.put("a", first)
     store.put("a", second)
     assert store.stats()["blocks_reused"] == 2  # blocks 0 and 1: same tokens, never held any window
@@ -54,9 +60,9 @@ def test_a_block_the_window_left_is_written_again_without_it(tmp_path: Path) -> 
         assert held_tokens(stored, layer.index) == expected
 
 
-def test_only_the_last_checkpoints_stay_in_the_store(tmp_path: Path) -> None:
+def test_only_the_last_checkpoints_stay_in_the_store(backend_factory: Factory) -> None:
     engine, first, second = two_turns("mamba", 900, 400)
-    store = DiskStore(tmp_path, engine.spec)
+    store = backend_factory(engine.spec)
     store.put("a", first)
     store.put("a", second)
     stored = store.get("a")
@@ -69,11 +75,11 @@ def test_only_the_last_checkpoints_stay_in_the_store(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "falcon_h1", "openelm", "mamba2"])
-def test_layered_caches_round_trip_bit_exact(tmp_path: Path, arch: str) -> None:
+def test_layered_caches_round_trip_bit_exact(backend_factory: Factory, arch: str) -> None:
     engine, first, _second = two_turns(arch, 600, 10)
-    store = DiskStore(tmp_path, engine.spec)
+    store = backend_factory(engine.spec)
     store.put("a", first)
-    stored = DiskStore(tmp_path, engine.spec).get("a")
+    stored = backend_factory(engine.spec).get("a")  # another instance over the same storage
     assert stored is not None
     stored.validate(engine.spec)
     assert stored.token_ids == first.token_ids
