@@ -26,13 +26,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 
 from producer.aio import AsyncJobHandle, AsyncProducer
+from producer.errors import JobNotFoundError
 from producer.http import anthropic_api, conversations_routes, openai_api, openapi
 from producer.http.body import parsed_body
 from producer.http.bridge import Bridge, ClientGone, disconnected
 from producer.http.errors import APIError, ServerErrors, flavor_of, from_validation, invalid
 from producer.http.guard import ApiKeys, BodyLimit, request_tenant
 from producer.http.ignored import IgnoredFields
-from producer.http.model_cards import CLAMP_HEADER, anthropic_model, clamped_to, openai_model
+from producer.http.model_cards import (
+    CLAMP_HEADER,
+    anthropic_model,
+    clamp_of,
+    clamped_to,
+    openai_model,
+    progress_prompt_tokens,
+)
 from producer.http.pools import RETRY_AFTER_S, Pool, PoolDirectory
 from producer.http.sse import OnResult, Translator, open_stream
 from producer.models import GenerationRequest, GenerationResult
@@ -193,8 +201,20 @@ class _Front:
         """The job's stream through `translator`, or (None) its result as `body` makes it; the job id
         as the request id (OpenAI's x-request-id, Anthropic's request-id). 499 when the client left.
         `on_result` is awaited with the result first (a stream's: after its end event). `clamp` (the pool,
-        the max_tokens asked for): a plain answer whose max_tokens the context cut says so in a header."""
+        the max_tokens asked for): an answer whose max_tokens the context cut says so in a header (a
+        stream's from the prompt length the worker published by its first token)."""
         headers = {"x-request-id": handle.id, "request-id": handle.id}
+
+        async def clamp_header() -> dict[str, str]:
+            if clamp is None or clamp[1] is None:
+                return {}
+            try:
+                meta = await handle.meta()
+            except (JobNotFoundError, RedisError, ValueError):  # no header rather than no stream
+                return {}
+            ran_with = clamp_of(*clamp, progress_prompt_tokens(meta))
+            return {} if ran_with is None else {CLAMP_HEADER: str(ran_with)}
+
         try:
             if translator is not None:
                 return await open_stream(
@@ -205,6 +225,7 @@ class _Front:
                     gone=disconnected(request.receive),
                     headers=headers,
                     on_result=on_result,
+                    open_headers=clamp_header,
                 )
             result = await self.bridge.result(
                 handle, timeout=self.settings.request_timeout_s, gone=disconnected(request.receive)

@@ -53,7 +53,21 @@ def anthropic_model(pool: Pool) -> dict[str, Any]:
 
 def clamped_to(pool: Pool, requested: int | None, result: GenerationResult | None) -> int | None:
     """The max_tokens the job ran with when the context cut the `requested` one, else None."""
-    if pool.context is None or requested is None or result is None:
+    return clamp_of(pool, requested, None if result is None else result.usage.prompt_tokens)
+
+
+def clamp_of(pool: Pool, requested: int | None, prompt_tokens: int | None) -> int | None:
+    """The max_tokens a prompt of `prompt_tokens` runs with when the context cuts `requested`, else None.
+    A stream knows its prompt's length before its first byte: the worker publishes it in the job's
+    progress (meta) when it admits the job, before its first token."""
+    if pool.context is None or requested is None or prompt_tokens is None:
         return None
-    room = pool.context - result.usage.prompt_tokens
+    room = pool.context - prompt_tokens
     return room if 0 < room < requested else None
+
+
+def progress_prompt_tokens(meta: dict[str, Any]) -> int | None:
+    """The prompt length the worker published in a job's meta (`progress.prompt_tokens`), if any."""
+    progress = meta.get("progress")
+    tokens = progress.get("prompt_tokens") if isinstance(progress, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None

@@ -45,6 +45,8 @@ def named_event(payload: dict[str, Any]) -> bytes:
 
 #: What a route does with a job's result before answering (None: the job has none, canceled).
 OnResult = Callable[[GenerationResult | None], Awaitable[None]]
+#: Headers a stream learns when it opens (once its first event is there), e.g. the max_tokens clamp.
+OpenHeaders = Callable[[], Awaitable[dict[str, str]]]
 
 
 class Translator(Protocol):
@@ -81,11 +83,13 @@ async def open_stream(
     gone: Awaitable[object],
     headers: dict[str, str] | None = None,
     on_result: OnResult | None = None,
+    open_headers: OpenHeaders | None = None,
 ) -> StreamingResponse:
     """The job's event stream, opened once its first token (or its end) is there: a job that fails
     before it generates anything (invalid, too long for the context) is answered with its error's
     status instead, as a plain request's would be. Raises APIError, or ClientGone (job canceled).
-    `on_result` is awaited with the job's result after its end event, before the translator's tail."""
+    `on_result` is awaited with the job's result after its end event, before the translator's tail;
+    `open_headers` when the stream opens, its headers added to the response's."""
     events = bridge.events(handle, timeout=timeout)
     first_event = asyncio.ensure_future(bridge.first(handle, events, timeout=timeout, gone=gone))
     pings = isinstance(translator, Pinging)
@@ -105,7 +109,10 @@ async def open_stream(
         chunks = _pinged(
             bridge, handle, translator, first_event, events, timeout=timeout, on_result=on_result
         )
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={**HEADERS, **(headers or {})})
+    more = await open_headers() if open_headers is not None else {}
+    return StreamingResponse(
+        chunks, media_type="text/event-stream", headers={**HEADERS, **(headers or {}), **more}
+    )
 
 
 async def _pinged(

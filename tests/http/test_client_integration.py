@@ -122,6 +122,10 @@ def test_max_tokens_beyond_the_context_is_cut_to_what_it_leaves(server: ServePro
     assert answer.status_code == 200, answer.text
     prompt = answer.json()["usage"]["prompt_tokens"]
     assert answer.headers[CLAMP_HEADER] == str(context - prompt)
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    ) as streamed:  # the same clamp, in the stream's headers (its first event not awaited here)
+        assert streamed.status_code == 200 and streamed.headers[CLAMP_HEADER] == str(context - prompt)
     too_long = {**body, "messages": [{"role": "user", "content": "hi " * (context + 100)}], "max_tokens": 5}
     refused = httpx.post(f"{server.url}/v1/chat/completions", json=too_long, timeout=120)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"

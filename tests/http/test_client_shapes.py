@@ -27,7 +27,7 @@ from producer.openai_shapes.bodies import CHAT_URL
 from producer.wire.ids import agent_id_problem
 from producer.wire.protocol import StreamEvent
 from tests.http.test_fuzz import app_client, mutate  # noqa: F401  (app_client: the fixture)
-from tests.producer.fakes import app_connections
+from tests.producer.fakes import app_connections, fake_redis
 
 SESSION = "5b0f3c1e-7d4a-4b8e-9c2f-1a2b3c4d5e6f"
 BASH = {
@@ -527,3 +527,36 @@ def test_fuzzed_client_shaped_bodies_get_a_4xx_with_a_reason_or_an_answer(app_cl
         raw = json.dumps(body).encode()  # NaN as JSON's NaN, as test_fuzz.py sends it
         answer = app_client.post(path, content=raw, headers={"content-type": "application/json"})
         assert answer.status_code == 200 or 400 <= answer.status_code < 500, (seed, path, raw, answer.text)
+
+
+def test_a_streamed_answer_reports_the_clamp_in_a_header_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt's length is in the job's progress (the worker publishes it when it admits the job,
+    before its first token), so a stream's headers carry the clamp as a plain answer's do."""
+    from producer.aio import AsyncJobHandle
+    from producer.http.bridge import Bridge
+    from producer.http.model_cards import CLAMP_HEADER
+
+    monkeypatch.setattr(pools, "served_pools", lambda connection: {"m": Pool("m", "kvrq", 1, context=8192)})
+    redis = fake_redis()
+    redis.hset("rq:job:job-1", "meta", json.dumps({"progress": {"prompt_tokens": 2000}}))
+
+    async def submit(self: Bridge, request: GenerationRequest) -> AsyncJobHandle:
+        return self.producer.handle("job-1")
+
+    async def events(self: Bridge, handle: AsyncJobHandle, *, timeout: float) -> AsyncIterator[StreamEvent]:
+        yield StreamEvent("delta", text="Hi")
+        yield StreamEvent("end", finish_reason="length")
+
+    async def after_end(self: Bridge, handle: AsyncJobHandle) -> None:
+        return None
+
+    for name, stand_in in [("submit", submit), ("events", events), ("result_after_end", after_end)]:
+        monkeypatch.setattr(Bridge, name, stand_in)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    with TestClient(create_app(ServeSettings(), **app_connections(redis))) as http:
+        cut = http.post(CHAT_URL, json={**chat, "max_tokens": 32000})
+        kept = http.post(CHAT_URL, json={**chat, "max_tokens": 100})
+        anthropic = http.post("/v1/messages", json={**chat, "max_tokens": 32000})
+    assert cut.status_code == 200 and cut.headers[CLAMP_HEADER] == "6192"
+    assert kept.status_code == 200 and CLAMP_HEADER not in kept.headers
+    assert anthropic.status_code == 200 and anthropic.headers[CLAMP_HEADER] == "6192"
