@@ -43,14 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis  # noqa: E402
 from redis.cluster import ClusterNode, RedisCluster  # noqa: E402
 
+from benchmarks.caches import make_cache, tokens  # noqa: E402
+from benchmarks.sentinel import SentinelTopology  # noqa: E402
 from engine.core.spec import LayerSpec, ModelCacheSpec  # noqa: E402
 from producer.wire.redis_url import connect  # noqa: E402
 from store.backend import BlockBackend  # noqa: E402
 from store.factory import open_backend  # noqa: E402
 from store.redis_store import MAX_VALUE_BYTES  # noqa: E402
 from store.sharded import agent_route_key, pick  # noqa: E402
-from tests.fleet.sentinel import SentinelTopology  # noqa: E402
-from tests.store.conftest import make_cache, tokens  # noqa: E402
+from worker.cli.spawn import free_port  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "store_topologies.json"
 SLOTS = 16384
@@ -64,12 +65,6 @@ SPEC = ModelCacheSpec(
     v_head_dim=64,
     dtype="float32",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def free_cluster_port() -> int:

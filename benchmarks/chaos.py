@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from redis import Redis  # noqa: E402
 
+from benchmarks.chaos_checks import ENDED, Delivery, deliveries, summary  # noqa: E402
 from benchmarks.common import percentile  # noqa: E402
 from benchmarks.procs import RedisProcess, WorkerProcess, wait_for  # noqa: E402
 from producer.client import JobHandle, Producer  # noqa: E402
-from tests.worker.chaos_checks import ENDED, Delivery, deliveries, summary  # noqa: E402
 
 FAST_LIVENESS = {"KVRQ_LIVENESS_TTL": "2", "KVRQ_CRASH_CHECK_INTERVAL": "1"}
 STORY = "Once upon a time, in a small village by the sea,"

@@ -1,9 +1,5 @@
-"""Synthetic caches for the store tests: a small spec and KV that depends only on the tokens.
-
-The KV of a position is a function of (position, token id) only, like a real model's
-for a fixed prefix, so two caches that share a token prefix share those blocks byte
-for byte, and a cache of other tokens differs everywhere.
-"""
+"""Synthetic caches for the store tests: a small spec, and KV that depends only on the tokens
+(benchmarks/caches.py's `make_cache` and `tokens`, which the store benchmarks use too)."""
 
 from __future__ import annotations
 
@@ -17,7 +13,9 @@ import numpy as np
 import pytest
 from redis.exceptions import ResponseError
 
-from engine.core.blocks import NUMPY_STORAGE_DTYPE, AgentCache, KVBlock
+from benchmarks.caches import make_cache as make_cache  # the store tests import them from here
+from benchmarks.caches import tokens as tokens
+from engine.core.blocks import AgentCache
 from engine.core.spec import LayerSpec, ModelCacheSpec
 from store.backend import BlockBackend
 from store.disk import DiskStore
@@ -41,33 +39,6 @@ def tiny_spec(
     )
 
 
-def _kv(spec: ModelCacheSpec, layer: int, kind: int, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """(heads, n, dim) values in [-1, 1) determined by (layer, K/V, position, token)."""
-    heads, dim = spec.n_kv_heads, spec.k_head_dim
-    phase = (positions * 0.37 + tokens * 0.011 + layer * 1.3 + kind * 2.1)[None, :, None]
-    grid = np.arange(heads)[:, None, None] * 0.7 + np.arange(dim)[None, None, :] * 0.05
-    values = np.sin(phase + grid).astype(np.float32)
-    if spec.dtype == "bfloat16":
-        return (values.view(np.uint32) >> 16).astype(np.uint16)
-    return values.astype(NUMPY_STORAGE_DTYPE[spec.dtype])
-
-
-def make_cache(spec: ModelCacheSpec, token_ids: list[int]) -> AgentCache:
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    blocks = []
-    for start in range(0, len(tokens), spec.block_tokens):
-        end = min(start + spec.block_tokens, len(tokens))
-        positions = np.arange(start, end)
-        chunk = tokens[start:end]
-        blocks.append(
-            KVBlock(
-                keys=tuple(_kv(spec, layer, 0, positions, chunk) for layer in range(spec.n_layers)),
-                values=tuple(_kv(spec, layer, 1, positions, chunk) for layer in range(spec.n_layers)),
-            )
-        )
-    return AgentCache(spec, list(token_ids), blocks)
-
-
 def redis_value_keys(client: object, prefix: str, *, persistent_only: bool = False) -> set[str]:
     """Every block value a RedisStore keeps under `prefix`: agents' own (`<key>:b:<name>[:i]`) and
     shared ones (`s:<share>.<crc>[:i]`), not manifests, reference sets or pointers. With
@@ -80,10 +51,6 @@ def redis_value_keys(client: object, prefix: str, *, persistent_only: bool = Fal
     if persistent_only:
         found = {k for k in found if client.pttl(k) == -1}  # type: ignore[attr-defined]
     return found
-
-
-def tokens(n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 50_000, size=n)]
 
 
 def assert_same_cache(got: AgentCache | None, expected: AgentCache) -> None:

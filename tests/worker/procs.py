@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import procs as shared
-from benchmarks.procs import ROOT, WorkerProcess, _accepts, wait_for
+from benchmarks.procs import ROOT, WorkerProcess, wait_for
 from tests.conftest import REDIS_SERVER_HINT, require_binary
 
-__all__ = ["ROOT", "RedisProcess", "WorkerProcess", "_accepts", "wait_for", "worker_per_queue"]
+__all__ = ["ROOT", "RedisProcess", "WorkerProcess", "wait_for", "worker_per_queue"]
 
 
 class RedisProcess(shared.RedisProcess):
