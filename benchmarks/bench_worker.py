@@ -45,6 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import NAN, percentile  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas, openblas_loaded  # noqa: E402
 
 QUESTIONS = [
@@ -76,12 +77,6 @@ BRIEFING = (
 
 def chat(question: str, system: str = "You are a helpful assistant.") -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 # ---- in-process baselines -----------------------------------------------------------------
@@ -176,10 +171,13 @@ def queue_overhead(producer: Any, repeats: int) -> dict[str, Any]:
     return {
         "repeats": repeats,
         "enqueue_to_first_token_ms": {
-            "p50": 1000 * percentile(totals, 0.5),
-            "p95": 1000 * percentile(totals, 0.95),
+            "p50": 1000 * percentile(totals, 0.5, NAN),
+            "p95": 1000 * percentile(totals, 0.95, NAN),
         },
-        "overhead_ms": {"p50": 1000 * percentile(overheads, 0.5), "p95": 1000 * percentile(overheads, 0.95)},
+        "overhead_ms": {
+            "p50": 1000 * percentile(overheads, 0.5, NAN),
+            "p95": 1000 * percentile(overheads, 0.95, NAN),
+        },
     }
 
 
