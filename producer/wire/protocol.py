@@ -133,8 +133,10 @@ class StreamEvent:
     of reasoning or a tool call) and `token`; `reasoning`: thinking `text`, apart from the answer;
     `tool_call`: one parsed call as `data` (OpenAI's {"id", "type", "function": {"name", "arguments"}});
     `logprobs`: one generated token's `data` ({"token", "token_id", "logprob", "bytes", "top_logprobs"}),
-    for requests that asked; `end`: `finish_reason` ("stop", "length", "tool_calls" or "canceled");
-    `error`: `error` (the reason).
+    for requests that asked; `end`: `finish_reason` ("stop", "length", "tool_calls" or "canceled"),
+    and for a finished job `data` {"usage": the result's usage}; `error`: `error` (the reason) and, for
+    a job that failed for good, `code` (ErrorCode). A job's ending is one event that carries what a
+    stream reader needs of its result; an older worker's `end` has no `data`, its `error` no `code`.
     """
 
     kind: EventKind
@@ -144,6 +146,7 @@ class StreamEvent:
     error: str | None = None
     attempt: str | None = None
     data: dict[str, Any] | None = None
+    code: str | None = None
 
     def to_fields(self) -> dict[str, str]:
         if self.kind == "start":
@@ -155,8 +158,10 @@ class StreamEvent:
         if self.kind in ("tool_call", "logprobs"):
             return {"e": self.kind, "data": json.dumps(self.data, ensure_ascii=False)}
         if self.kind == "end":
-            return {"e": "end", "reason": self.finish_reason or ""}
-        return {"e": "error", "error": self.error or ""}
+            end = {"e": "end", "reason": self.finish_reason or ""}
+            return end if self.data is None else {**end, "data": json.dumps(self.data, ensure_ascii=False)}
+        error = {"e": "error", "error": self.error or ""}
+        return error if self.code is None else {**error, "code": self.code}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes] | dict[str, str]) -> StreamEvent:
@@ -174,9 +179,10 @@ class StreamEvent:
         if kind == "logprobs":
             return cls("logprobs", data=json.loads(data.get("data", "{}")))
         if kind == "end":
-            return cls("end", finish_reason=data.get("reason") or None)
+            carried = json.loads(data["data"]) if "data" in data else None
+            return cls("end", finish_reason=data.get("reason") or None, data=carried)
         if kind == "error":
-            return cls("error", error=data.get("error", ""))
+            return cls("error", error=data.get("error", ""), code=data.get("code") or None)
         raise ValueError(f"unknown stream event {data!r}")
 
     @property

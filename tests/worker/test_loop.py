@@ -14,7 +14,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from producer.client import JobCanceledError, JobFailedError
-from producer.wire.protocol import JOB_FUNCTION, agent_lock_key
+from producer.wire.protocol import ERROR_META_KEY, JOB_FUNCTION, agent_lock_key
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
 from worker.fleet.maintenance import clean_queues
@@ -60,6 +60,20 @@ def test_stream_has_every_delta_in_order_then_end(h: Harness) -> None:
     assert "".join(e.text for e in events) == "abcde" == "".join(handle.stream(timeout=1))
     assert events[-1].finish_reason == "length"
     assert h.redis.ttl(f"kvrq:stream:{handle.id}") > 0
+
+
+def test_a_jobs_ending_is_one_event_that_carries_its_usage_or_its_error_code(h: Harness) -> None:
+    """Issue 41: a stream reader needs no rq result for a job's usage or its failure's code; the fields
+    are additions (an older reader reads `finish_reason` / `error` as before)."""
+    done = h.producer.submit({"prompt": "x", "max_tokens": 3})
+    bad = h.producer.submit({"prompt": "x", "max_tokens": 5000})
+    h.run_until(h.all_ended([done, bad]))
+    end = list(done.events(timeout=1))[-1]
+    assert end.kind == "end" and end.finish_reason == "length"
+    assert end.data == {"usage": done.result(timeout=1).usage.model_dump()}
+    error = list(bad.events(timeout=1))[-1]
+    assert error.kind == "error" and error.code == "context_length_exceeded"
+    assert error.code == bad.meta()[ERROR_META_KEY]["code"]
 
 
 def test_plain_rq_enqueue_gets_the_same_treatment(h: Harness) -> None:

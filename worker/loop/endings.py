@@ -214,11 +214,12 @@ class Endings:
         progress: dict[str, Any] = {"phase": outcome.phase}
         if isinstance(outcome, Finished):
             output = None if held is None else held.output
-            self.publisher.end(job.id, answer_finish_reason(output, outcome.completion.finish_reason))
+            reason = answer_finish_reason(output, outcome.completion.finish_reason)
+            self.publisher.end(job.id, reason, usage=dataclasses.asdict(outcome.completion.usage))
             progress["generated_tokens"] = len(outcome.completion.token_ids)
         elif isinstance(outcome, Failed) and not outcome.retry:
             job.meta[ERROR_META_KEY] = {"code": outcome.code, "message": outcome.message}
-            self.publisher.error(job.id, outcome.message)
+            self.publisher.error(job.id, outcome.message, code=outcome.code)
         elif isinstance(outcome, Canceled):
             self.publisher.end(job.id, "canceled")
         elif isinstance(outcome, Stopped):

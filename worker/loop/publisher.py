@@ -42,11 +42,13 @@ class Publisher:
     def start(self, job_id: str, attempt: str) -> None:
         self.event(job_id, StreamEvent("start", attempt=attempt))
 
-    def end(self, job_id: str, finish_reason: str) -> None:
-        self.event(job_id, StreamEvent("end", finish_reason=finish_reason))
+    def end(self, job_id: str, finish_reason: str, usage: dict[str, int] | None = None) -> None:
+        """The stream's last event; a finished job's carries its usage (as its result's)."""
+        data = None if usage is None else {"usage": usage}
+        self.event(job_id, StreamEvent("end", finish_reason=finish_reason, data=data))
 
-    def error(self, job_id: str, reason: str) -> None:
-        self.event(job_id, StreamEvent("error", error=reason))
+    def error(self, job_id: str, reason: str, code: str | None = None) -> None:
+        self.event(job_id, StreamEvent("error", error=reason, code=code))
 
     def progress(self, job: Job, **progress: Any) -> None:
         """Merge `progress` into job.meta["progress"] (what `rq info -v` and dashboards show)."""
