@@ -80,7 +80,6 @@ import gc
 import http.client
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -98,7 +97,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import percentile  # noqa: E402
+from benchmarks.common import machine, percentile, write_json  # noqa: E402
 from engine.cpu.blas import blas_preload_env, ensure_fast_blas  # noqa: E402
 
 Message = dict[str, str]
@@ -773,13 +772,7 @@ def main() -> int:
 
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/bench_agents.py", *sys.argv[1:]]),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "mlx": version("mlx"),
-            "mlx_lm": version("mlx-lm"),
-        },
+        "machine": {**machine(), "mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "load_average_before": os.getloadavg(),
     }
@@ -831,9 +824,7 @@ def main() -> int:
                 strict=True,
             )
         ]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report)
     print(
         f"\n{args.agents} agents x {args.turns} turns, {args.max_tokens} new tokens a turn; "
         f"load average {report['load_average_before'][0]:.1f} -> {report['load_average_after'][0]:.1f}"

@@ -17,9 +17,7 @@ the sides' order alternates between rounds; the ratio is four tenants' wall over
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import secrets
 import sys
 import tempfile
@@ -31,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import machine, write_json  # noqa: E402
 from benchmarks.procs import RedisProcess, WorkerProcess  # noqa: E402
 from producer.client import Producer  # noqa: E402
 
@@ -90,11 +89,7 @@ def main() -> int:
         parser.error("--agents must be a multiple of 4 (four tenants hold a quarter each)")
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/bench_tenants.py", *sys.argv[1:]]),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "load_average_before": os.getloadavg(),
         "rows": [],
     }
@@ -125,9 +120,7 @@ def main() -> int:
         prompt, reuse = sum(p for p, _ in row["tenants"].values()), reuse_text(row["tenants"])
         print(f"| {row['round']} | {row['side']} | {row['wall_s']:.2f} | {prompt} | {reuse} |")
     print(f"\nwall, four tenants / one tenant: {report['wall_ratio_four_over_one']}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report)
     print(f"wrote {out}")
     return 0
 

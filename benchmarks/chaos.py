@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from redis import Redis  # noqa: E402
 
 from benchmarks.chaos_checks import ENDED, Delivery, deliveries, summary  # noqa: E402
-from benchmarks.common import percentile  # noqa: E402
+from benchmarks.common import machine, percentile  # noqa: E402
 from benchmarks.procs import RedisProcess, WorkerProcess, wait_for  # noqa: E402
 from producer.client import JobHandle, Producer  # noqa: E402
 
@@ -352,11 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(
                 ["python", "benchmarks/chaos.py", *(argv if argv is not None else sys.argv[1:])]
             ),
-            "machine": {
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-            },
+            "machine": machine(),
             "load_average_before_after": [load_before, os.getloadavg()],
             "wall_s": round(time.monotonic() - started, 1),
             "faults": sorted([*kept, *rows], key=lambda r: FAULTS.index(r["fault"])),

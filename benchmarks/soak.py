@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from redis import Redis  # noqa: E402
 
+from benchmarks.common import machine, write_json  # noqa: E402
 from benchmarks.procs import RedisProcess, WorkerProcess  # noqa: E402
 from producer.client import JobFailedError, Producer  # noqa: E402
 from producer.wire.protocol import MEMORY_FIELD  # noqa: E402
@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             redis.stop()
 
     report = summarize(args, jobs, finished, failed, wall, sampler, rss_idle, disk_mb)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report)
     print_report(report)
     print(f"\nwrote {out}")
     return 0
@@ -198,11 +196,7 @@ def summarize(
     rss = [mb for _, mb in samples]
     return {
         "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "load_average_at_end": os.getloadavg(),
         "agents": args.agents,
         "turns": args.turns,
