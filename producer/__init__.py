@@ -1,4 +1,5 @@
-"""kvrq's producer side: enqueue generation jobs into rq and follow them. Needs only redis, rq, pydantic.
+"""kvrq's producer side: enqueue generation jobs into rq and follow them, blocking (Producer) or with
+asyncio (AsyncProducer). Needs only redis, rq, pydantic.
 
 The names below load on first use, so `producer.wire` (the contract `store/` imports too) stays free
 of rq and pydantic.
@@ -10,14 +11,9 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from producer.client import (
-        JobCanceledError,
-        JobFailedError,
-        JobHandle,
-        JobNotFoundError,
-        Producer,
-        ResultTimeoutError,
-    )
+    from producer.aio import AsyncJobHandle, AsyncProducer
+    from producer.client import JobHandle, Producer
+    from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError, ResultTimeoutError
     from producer.models import (
         ChatMessage,
         GenerationRequest,
@@ -31,14 +27,9 @@ if TYPE_CHECKING:
     from producer.wire.protocol import DEFAULT_QUEUE, JOB_FUNCTION
 
 _HOMES = {
-    "producer.client": (
-        "JobCanceledError",
-        "JobFailedError",
-        "JobHandle",
-        "JobNotFoundError",
-        "Producer",
-        "ResultTimeoutError",
-    ),
+    "producer.aio": ("AsyncJobHandle", "AsyncProducer"),
+    "producer.client": ("JobHandle", "Producer"),
+    "producer.errors": ("JobCanceledError", "JobFailedError", "JobNotFoundError", "ResultTimeoutError"),
     "producer.models": (
         "ChatMessage",
         "GenerationRequest",
@@ -54,6 +45,8 @@ _HOMES = {
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
+    "AsyncJobHandle",
+    "AsyncProducer",
     "ChatMessage",
     "DEFAULT_QUEUE",
     "GenerationRequest",
