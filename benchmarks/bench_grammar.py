@@ -12,10 +12,7 @@ rendered, split and parsed exactly as the worker does; every call must name an o
 arguments validate against that function's schema. Counts: valid / invalid calls, rows cut by max_tokens,
 definitions refused (by the request model's metaschema check or llguidance) with their reason.
 
-`--only corpus`: real-world schemas from ../shared/data/jsonschemabench (read in place, never copied):
-how many compile (llguidance) or are refused with a reason, compile time, and the per-token mask time
-(p50, p99) while each schema's valid instances are fed token by token; valid instances that the grammar
-refuses are counted (mask correctness).
+The per-token mask over real-world schemas: bench_schemas.py (its `mask_us_*`).
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import NAN, percentile  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared/data/jsonschemabench/maskbench-dev.jsonl.gz"
@@ -106,60 +102,6 @@ def bench_step(rounds: int, steps: int) -> dict[str, Any]:
     out["step_ratio"] = out["grammar_step_ms"] / out["plain_step_ms"]
     out["mask_share_of_plain_step"] = out["mask_ms_per_step"] / out["plain_step_ms"]
     return out
-
-
-def bench_corpus(limit: int) -> dict[str, Any]:
-    import llguidance
-    import llguidance.numpy as llnumpy
-
-    from engine.batch.grammar import json_schema_grammar
-    from engine.models.load import load_model
-
-    _, tokenizer = load_model()
-    lltokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer)
-    bitmask = llnumpy.allocate_token_bitmask(1, lltokenizer.vocab_size)
-    compiled = refused = rejected_valid = instances = 0
-    compile_s: list[float] = []
-    mask_s: list[float] = []
-    with gzip.open(CORPUS, "rt") as lines:
-        for number, line in enumerate(lines):
-            if number >= limit:
-                break
-            entry = json.loads(line)
-            schema = entry["schema"]
-            started = time.perf_counter()
-            grammar = json_schema_grammar(schema)
-            problem = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
-            compile_s.append(time.perf_counter() - started)
-            if problem:
-                refused += 1
-                continue
-            compiled += 1
-            for test in entry.get("tests", []):
-                if not test.get("valid"):
-                    continue
-                instances += 1
-                matcher = llguidance.LLMatcher(lltokenizer, grammar)
-                for token in tokenizer.encode(json.dumps(test["data"]), add_special_tokens=False):
-                    started = time.perf_counter()
-                    llnumpy.fill_next_token_bitmask(matcher, bitmask, 0)
-                    mask_s.append(time.perf_counter() - started)
-                    if not matcher.consume_token(token):
-                        rejected_valid += 1
-                        break
-    return {
-        "schemas": compiled + refused,
-        "compiled": compiled,
-        "refused_with_reason": refused,
-        "compile_ms_p50": percentile(compile_s, 0.5, NAN) * 1e3,
-        "compile_ms_p99": percentile(compile_s, 0.99, NAN) * 1e3,
-        "valid_instances": instances,
-        "valid_instances_refused": rejected_valid,
-        "mask_us_p50": percentile(mask_s, 0.5, NAN) * 1e6,
-        "mask_us_p99": percentile(mask_s, 0.99, NAN) * 1e6,
-        "mask_us_mean": statistics.fmean(mask_s) * 1e6 if mask_s else float("nan"),
-        "tokens": len(mask_s),
-    }
 
 
 def functions_of(schema: dict[str, Any]) -> dict[str, Any]:
@@ -256,31 +198,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["step", "corpus", "calls"], action="append")
+    parser.add_argument("--only", choices=["step", "calls"], action="append")
     parser.add_argument("--calls", type=int, default=300, help="BFCL entries for --only calls")
     parser.add_argument("--call-tokens", type=int, default=160, help="max_tokens of a forced call")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of plain and grammar batches")
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch")
-    parser.add_argument("--schemas", type=int, default=500, help="corpus schemas read (of ~9,000)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results/grammar.json")
     args = parser.parse_args()
-    only = args.only or ["step", "corpus", "calls"]
+    only = args.only or ["step", "calls"]
     ensure_fast_blas()
     results: dict[str, Any] = {}
     if "step" in only:
         results["step"] = bench_step(args.rounds, args.steps)
         print(json.dumps(results["step"], indent=1))
-    for part, run in (
-        ("corpus", lambda: bench_corpus(args.schemas)),
-        ("calls", lambda: bench_calls(args.calls, args.call_tokens)),
-    ):
-        if part not in only:
-            continue
-        if not CORPUS.exists():
-            print(f"corpus not found at {CORPUS}: {part} skipped")
-            continue
-        results[part] = run()
-        print(json.dumps(results[part], indent=1))
+    if "calls" in only:
+        if CORPUS.exists():
+            results["calls"] = bench_calls(args.calls, args.call_tokens)
+            print(json.dumps(results["calls"], indent=1))
+        else:
+            print(f"corpus not found at {CORPUS}: calls skipped")
     args.out.write_text(json.dumps(results, indent=1) + "\n")
 
 

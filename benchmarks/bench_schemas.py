@@ -12,7 +12,8 @@ Reads the MaskBench corpus in place (../shared/data/jsonschemabench, never copie
    error) and the final validation a finished answer gets (worker/requests/schema_check.py). The figure
    that must be 0: invalid instances that pass the grammar and are then reported valid.
 
-Figures are counts (deterministic for a seed); compile and validation times are from this machine.
+Figures are counts (deterministic for a seed); compile, validation and per-token mask times (each
+valid instance's tokens masked one by one, what a decode step pays a row) are from this machine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import NAN, percentile  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared/data/jsonschemabench/maskbench-dev.jsonl.gz"
 
@@ -58,14 +61,27 @@ def keywords(unenforced: Any) -> set[str]:
     return {word for line in unenforced for word in kind_of(line.strip().splitlines()[0]).split(", ")}
 
 
-def accepts(matcher: Any, tokens: list[int]) -> bool:
-    """Whether the grammar takes every token and may end there (the mask check, without a model)."""
-    return all(matcher.consume_token(token) for token in tokens) and matcher.is_accepting()
+def accepts(matcher: Any, tokens: list[int], mask: Any = None, mask_s: list[float] | None = None) -> bool:
+    """Whether the grammar takes every token and may end there (the mask check, without a model).
+
+    With `mask` (an llguidance token bitmask) and `mask_s`, each token's mask is computed first and
+    timed: what a decode step pays per row under the grammar."""
+    import llguidance.numpy as llnumpy
+
+    for token in tokens:
+        if mask is not None and mask_s is not None:
+            started = time.perf_counter()
+            llnumpy.fill_next_token_bitmask(matcher, mask, 0)
+            mask_s.append(time.perf_counter() - started)
+        if not matcher.consume_token(token):
+            return False
+    return bool(matcher.is_accepting())
 
 
 def bench(entries: list[dict[str, Any]]) -> dict[str, Any]:
     import llguidance
     import llguidance.hf
+    import llguidance.numpy as llnumpy
 
     from engine.batch.json_schema import compile_json_schema, grammar_text
     from engine.core.params import with_json_whitespace
@@ -75,12 +91,14 @@ def bench(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
     _, tokenizer = load_model()
     lltokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer)
+    bitmask = llnumpy.allocate_token_bitmask(1, lltokenizer.vocab_size)
     counts: collections.Counter[str] = collections.Counter()
     request_refusals: collections.Counter[str] = collections.Counter()
     compile_refusals: collections.Counter[str] = collections.Counter()
     unenforced_kinds: collections.Counter[str] = collections.Counter()
     compile_s: list[float] = []
     validate_s: list[float] = []
+    mask_s: list[float] = []
     for entry in entries:
         schema = entry["schema"]
         counts["schemas"] += 1
@@ -113,7 +131,8 @@ def bench(entries: list[dict[str, Any]]) -> dict[str, Any]:
             label = "valid" if test["valid"] else "invalid"
             text = json.dumps(test["data"], ensure_ascii=False)
             tokens = tokenizer.encode(text, add_special_tokens=False)
-            passes_mask = accepts(llguidance.LLMatcher(lltokenizer, compiled.grammar), tokens)
+            matcher = llguidance.LLMatcher(lltokenizer, compiled.grammar)
+            passes_mask = accepts(matcher, tokens, bitmask if test["valid"] else None, mask_s)
             started = time.perf_counter()
             reported_valid = instance_violation(source, test["data"]) is None
             validate_s.append(time.perf_counter() - started)
@@ -138,6 +157,10 @@ def bench(entries: list[dict[str, Any]]) -> dict[str, Any]:
         "validate_ms_p50": percentile(validate_s, 0.5, NAN) * 1e3,
         "validate_ms_p99": percentile(validate_s, 0.99, NAN) * 1e3,
         "validate_ms_mean": statistics.fmean(validate_s) * 1e3 if validate_s else float("nan"),
+        "mask_us_p50": percentile(mask_s, 0.5, NAN) * 1e6,
+        "mask_us_p99": percentile(mask_s, 0.99, NAN) * 1e6,
+        "mask_us_mean": statistics.fmean(mask_s) * 1e6 if mask_s else float("nan"),
+        "mask_tokens": len(mask_s),
     }
 
 
@@ -158,5 +181,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-from benchmarks.common import NAN, percentile  # noqa: E402
