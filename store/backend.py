@@ -14,7 +14,9 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from store.errors import (
     NO_COMMON_PREFIX,
     UNEXPECTED,
     BadCacheError,
+    StoreError,
 )
 from store.manifest import (
     BlockRef,
@@ -40,10 +43,12 @@ from store.manifest import (
     block_name,
     chain_keys,
     decode_manifest,
+    encode_manifest,
     new_generation,
     parse_shared_name,
     share_keys,
     shared_name,
+    stored_fence,
     summarize_manifest,
 )
 
@@ -585,6 +590,108 @@ class BlockBackend(ABC):
             conversation=cache.conversation,
         )
         return WritePlan(draft, slots)
+
+    def _commit_put(
+        self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str
+    ) -> bytes | None:
+        """Write the cache's blocks, then compare-and-swap its manifest under the fence; the manifest
+        as stored, or None when the put is stale.
+
+        The swap is guarded by the backend (`_manifest_guard`: WATCH on the manifest key in Redis, the
+        agent's lock on disk): it fails only if another writer swapped meanwhile, and the put then
+        commits again, re-planned only if blocks it reused are gone: last writer wins, never a mix.
+        """
+        plan: WritePlan | None = None
+        linked: builtins.list[NewBlock] = []
+        attempts = 0
+        for attempts in self._put_attempts():
+            if attempts > 1:
+                self._stats.add("put_retries")
+            with self._manifest_guard(agent_id) as guard:
+                current = self._guarded_manifest(guard, agent_id)
+                # Compared under the guard: a writer that swaps the manifest in meanwhile fails our swap.
+                new_fence = self._fence_for(agent_id, fence, stored_fence(current))
+                if new_fence is None:
+                    if plan is not None:
+                        self._discard(agent_id, plan)
+                    return None
+                if plan is None or not self._blocks_exist(guard, agent_id, plan.kept):
+                    # (Re)plan; a retry whose kept blocks still exist only needs the swap again.
+                    if plan is not None:
+                        self._discard(agent_id, plan)
+                    previous = self._reusable(guard, agent_id, current)
+                    plan = self.plan_write(agent_id, cache, previous, namespace=namespace)
+                    linked = self._write_blocks(agent_id, plan)
+                manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
+                if not self._watch_shared(guard, agent_id, manifest):
+                    self._discard(agent_id, plan)
+                    plan = None  # a shared block it links was collected meanwhile: plan again
+                    continue
+                manifest_blob = encode_manifest(manifest)
+                released = self._swap_manifest(guard, agent_id, plan, manifest, manifest_blob, current)
+                if released is None:
+                    continue  # another writer swapped first
+            self._collect_shared(released)
+            self._after_put(self._handle(agent_id), self._count_put(plan, len(manifest_blob), linked))
+            return manifest_blob
+        if plan is not None:
+            self._discard(agent_id, plan)
+        raise StoreError(f"put of agent {agent_id!r} lost {attempts} races with other writers")
+
+    # --- the put's hooks: a guarded compare-and-swap of the manifest ----------------------------
+    def _put_attempts(self) -> Iterable[int]:
+        """Numbers 1, 2, ... of the tries of a swap (one where the guard is a lock: it never fails)."""
+        return range(1, 2)
+
+    @abstractmethod
+    def _manifest_guard(self, agent_id: str) -> AbstractContextManager[Any]:
+        """Guards the agent's manifest from reading it to swapping it (a lock, or an optimistic watch
+        that makes the swap fail if another writer swapped first); yields what the hooks below take."""
+
+    @abstractmethod
+    def _guarded_manifest(self, guard: Any, agent_id: str) -> Blob | None:
+        """The agent's manifest as stored (no TTL check: an expired cache still lends its fence)."""
+
+    @abstractmethod
+    def _reusable(self, guard: Any, agent_id: str, current: Blob | None) -> Manifest | None:
+        """The current manifest if it is intact and all its blocks are present (so they may be reused)."""
+
+    @abstractmethod
+    def _write_blocks(self, agent_id: str, plan: WritePlan) -> builtins.list[NewBlock]:
+        """Write the plan's new blocks (durable, not yet referenced); returns the shared ones that were
+        found stored already and only linked."""
+
+    @abstractmethod
+    def _swap_manifest(
+        self,
+        guard: Any,
+        agent_id: str,
+        plan: WritePlan,
+        manifest: Manifest,
+        manifest_blob: bytes,
+        current: Blob | None,
+    ) -> Sequence[tuple[BlockRef, int]] | None:
+        """Swap in the manifest and drop the blocks only the replaced one used, atomically; None if
+        another writer swapped first. Returns the shared blocks (with their part size) it released
+        that are still to collect."""
+
+    def _blocks_exist(self, guard: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
+        """Whether these blocks are still stored for a retried swap (never asked where swaps never fail)."""
+        return True
+
+    def _watch_shared(self, guard: Any, agent_id: str, manifest: Manifest) -> bool:
+        """Whether the shared blocks the manifest links are all stored, kept so until the swap (a
+        backend whose links hold their blocks, as disk's hard links do, needs no check)."""
+        return True
+
+    def _collect_shared(self, released: Sequence[tuple[BlockRef, int]]) -> None:
+        """After the swap: delete the released shared blocks no user holds any more (none are left
+        where the swap itself collects them)."""
+        return None
+
+    def _discard(self, agent_id: str, plan: WritePlan) -> None:
+        """Delete the new blocks of a plan that will not be swapped in (none where swaps never fail)."""
+        return None
 
     def _count_put(self, plan: WritePlan, manifest_bytes: int, linked: Sequence[NewBlock] = ()) -> int:
         """Count a put; `linked`: new blocks not written because another agent had stored the same bytes.

@@ -44,6 +44,7 @@ from store.backend import (
     PrefixEntry,
     PrefixWrite,
     Usage,
+    WritePlan,
     prefix_recency,
 )
 from store.base import log
@@ -55,10 +56,8 @@ from store.manifest import (
     BlockRef,
     Manifest,
     decode_manifest,
-    encode_manifest,
     parse_shared_name,
     shared_name,
-    stored_fence,
     summarize_manifest,
 )
 
@@ -211,32 +210,21 @@ class DiskStore(BlockBackend):
             os.utime(self._agent_dir(agent_id) / MANIFEST)
 
     # --- writes --------------------------------------------------------------------------------
+    # The put (BlockBackend._commit_put) under the agent's lock: the swap never fails, and the order
+    # blocks (fsynced, renamed), then the manifest (renamed last), then garbage is what survives a crash.
     def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
-        key = agent_key(agent_id)
-        directory = self._dir(key)
-        blocks_dir = directory / "blocks"
-        with self._locked(key):
-            current = _read_if_present(directory / MANIFEST)
-            new_fence = self._fence_for(agent_id, fence, stored_fence(current))
-            if new_fence is None:
-                return False
-            _make_dirs(blocks_dir, fsync=self.fsync)
-            previous = self._previous(agent_id, current, blocks_dir)
-            plan = self.plan_write(agent_id, cache, previous, fence=new_fence, namespace=namespace)
-            linked = self._write_blocks(blocks_dir, plan.new_blocks)
-            manifest = plan.manifest()
-            manifest_blob = encode_manifest(manifest)
-            _write_atomic(directory / MANIFEST, [manifest_blob], fsync=self.fsync)
-            self._collect_garbage(directory, blocks_dir, manifest)
-        self._after_put(key, self._count_put(plan, len(manifest_blob), linked))
-        return True
+        return self._commit_put(agent_id, cache, fence, namespace) is not None
 
-    def _previous(self, agent_id: str, blob: Blob | None, blocks_dir: Path) -> Manifest | None:
-        """The current manifest, if intact and all its blocks are present (so they may be reused).
+    def _manifest_guard(self, agent_id: str) -> contextlib.AbstractContextManager[None]:
+        return self._locked(agent_key(agent_id))
 
-        Read under the agent's lock without the TTL check: an expired cache that is about to be
-        replaced still lends its blocks (and its fence is still honoured).
-        """
+    def _guarded_manifest(self, guard: None, agent_id: str) -> Blob | None:
+        return _read_if_present(self._agent_dir(agent_id) / MANIFEST)
+
+    def _reusable(self, guard: None, agent_id: str, current: Blob | None) -> Manifest | None:
+        """Read under the agent's lock without the TTL check: an expired cache that is about to be
+        replaced still lends its blocks (and its fence is still honoured)."""
+        blob, blocks_dir = current, self._agent_dir(agent_id) / "blocks"
         if blob is None:
             return None
         try:
@@ -252,13 +240,31 @@ class DiskStore(BlockBackend):
                 return None
         return previous
 
-    def _write_blocks(self, blocks_dir: Path, blocks: list[NewBlock]) -> list[NewBlock]:
+    def _swap_manifest(
+        self,
+        guard: None,
+        agent_id: str,
+        plan: WritePlan,
+        manifest: Manifest,
+        manifest_blob: bytes,
+        current: Blob | None,
+    ) -> list[tuple[BlockRef, int]]:
+        """Rename the manifest into place, then collect what it no longer references (shared blocks
+        included: under the lock, nothing is left to collect after)."""
+        directory = self._agent_dir(agent_id)
+        _write_atomic(directory / MANIFEST, [manifest_blob], fsync=self.fsync)
+        self._collect_garbage(directory, directory / "blocks", manifest)
+        return []
+
+    def _write_blocks(self, agent_id: str, plan: WritePlan) -> list[NewBlock]:
         """Link the shared blocks some agent already stored, write the rest; returns those linked.
 
         Written blocks go to a temp file each and are synced (each block's fdatasync starts on a
         helper thread as soon as it is written, so the disk flushes one block while the next is
         written), then renamed into place; new shared blocks are then published to the index.
         """
+        blocks_dir, blocks = self._agent_dir(agent_id) / "blocks", plan.new_blocks
+        _make_dirs(blocks_dir, fsync=self.fsync)  # the manifest's directory too
         linked = [block for block in blocks if self._link_shared(blocks_dir, block)]
         linked_ids = {id(block) for block in linked}
         to_write = [block for block in blocks if id(block) not in linked_ids]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -64,7 +63,6 @@ from store.manifest import (
     BlockRef,
     Manifest,
     decode_manifest,
-    encode_manifest,
     parse_shared_name,
     part_sizes,
     shared_name,
@@ -338,13 +336,13 @@ class RedisStore(BlockBackend):
     def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
         replication = Replication.of(self._client)
         if replication.replicas <= 0:
-            return self._put(agent_id, cache, fence, namespace) is not None
+            return self._commit_put(agent_id, cache, fence, namespace) is not None
         return self._put_replicated(agent_id, cache, fence, namespace, replication)
 
     def _put_replicated(
         self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str, replication: Replication
     ) -> bool:
-        """`_put`, confirmed on the replicas and read back (store/replication.py says why).
+        """`_commit_put`, confirmed on the replicas and read back (store/replication.py says why).
 
         A commit gone by then (a failover dropped it) is written again. Refused writes and lost
         connections are retried for the failover budget, then raise StoreError (the worker counts a
@@ -355,7 +353,7 @@ class RedisStore(BlockBackend):
         """
         if time.monotonic() < self._unreplicated_until:
             self._stats.add("puts_unconfirmed")
-            return self._put(agent_id, cache, fence, namespace) is not None
+            return self._commit_put(agent_id, cache, fence, namespace) is not None
         mkey = self.keys.manifest(agent_id)
         written: bytes | None = None
         failure, unconfirmed = "no try", 0
@@ -364,7 +362,7 @@ class RedisStore(BlockBackend):
             time.sleep(pause)
             try:
                 if written is None:
-                    written = self._put(agent_id, cache, fence, namespace)
+                    written = self._commit_put(agent_id, cache, fence, namespace)
                     if written is None:
                         return False  # stale: a later turn's cache is stored
                 found = confirm(self._client, mkey, self.keys.replication_mark, replication)
@@ -397,48 +395,16 @@ class RedisStore(BlockBackend):
         self._failing = True
         raise StoreError(f"put of agent {agent_id!r} not confirmed on the replicas in time ({failure})")
 
-    def _put(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bytes | None:
-        """Write the cache's blocks and commit its manifest under the fence; the manifest as stored,
-        or None when the put is stale."""
-        mkey = self.keys.manifest(agent_id)
-        plan: WritePlan | None = None
-        linked: builtins.list[NewBlock] = []
-        attempts = 0
-        for attempts in race_attempts():
-            if attempts > 1:
-                self._stats.add("put_retries")
-            with self._client.pipeline(transaction=True) as tx:
-                tx.watch(mkey)
-                current = as_blob(tx.get(mkey))
-                # Compared under WATCH: a writer that swaps the manifest in meanwhile aborts our EXEC.
-                new_fence = self._fence_for(agent_id, fence, stored_fence(current))
-                if new_fence is None:
-                    if plan is not None:
-                        self._discard(agent_id, plan)
-                    return None
-                if plan is None or not self._blocks_exist(tx, agent_id, plan.kept):
-                    # (Re)plan; a retry whose kept blocks still exist only needs the commit again.
-                    if plan is not None:
-                        self._discard(agent_id, plan)
-                    previous = self._reusable(tx, agent_id, current)
-                    plan = self.plan_write(agent_id, cache, previous, namespace=namespace)
-                    linked = self._write_blocks(agent_id, plan)  # removes what it wrote if it fails
-                manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
-                if not self._watch_shared(tx, agent_id, manifest):
-                    self._discard(agent_id, plan)
-                    plan = None  # a shared block it links was collected meanwhile: plan again
-                    continue
-                manifest_blob = encode_manifest(manifest)
-                try:
-                    released = self._commit(tx, agent_id, plan, manifest, manifest_blob, current)
-                except WatchError:
-                    continue
-            self._collect_shared(released)
-            self._after_put(agent_id, self._count_put(plan, len(manifest_blob), linked))
-            return manifest_blob
-        if plan is not None:
-            self._discard(agent_id, plan)
-        raise StoreError(f"put of agent {agent_id!r} lost {attempts} races with other writers")
+    # --- the put's hooks (BlockBackend._commit_put): the guard is a WATCH on the manifest key --------
+    def _put_attempts(self) -> Iterator[int]:
+        return race_attempts()
+
+    def _manifest_guard(self, agent_id: str) -> Any:
+        return self._client.pipeline(transaction=True)
+
+    def _guarded_manifest(self, guard: Any, agent_id: str) -> Blob | None:
+        guard.watch(self.keys.manifest(agent_id))
+        return as_blob(guard.get(self.keys.manifest(agent_id)))
 
     def _stored_blocks(
         self, agent_id: str, blob: Blob | None
@@ -551,7 +517,7 @@ class RedisStore(BlockBackend):
             if count == len(self.keys.parts(agent_id, block.name, block.encoded.nbytes, self.part_bytes))
         ]
 
-    def _commit(
+    def _swap_manifest(
         self,
         tx: Any,
         agent_id: str,
@@ -559,7 +525,7 @@ class RedisStore(BlockBackend):
         manifest: Manifest,
         manifest_blob: bytes,
         current: Blob | None,
-    ) -> builtins.list[tuple[BlockRef, int]]:
+    ) -> builtins.list[tuple[BlockRef, int]] | None:
         """One MULTI/EXEC: swap the manifest, settle block expiries, take references on its shared
         blocks and drop those of the replaced manifest, delete the agent's replaced blocks, index.
         Returns the shared blocks it stopped using that are still to collect (none where Redis runs
@@ -587,7 +553,10 @@ class RedisStore(BlockBackend):
             tx.unlink(*stale)
         self._queue_usage(tx, agent_id, own_bytes, shared)
         self.shared_blocks.queue_release(tx, agent_id, released, scripted)
-        results = tx.execute()  # the EXEC: WatchError if another writer swapped the manifest meanwhile
+        try:
+            results = tx.execute()  # the EXEC
+        except WatchError:
+            return None  # another writer swapped the manifest meanwhile
         return self.shared_blocks.left_to_collect(released, results, scripted)
 
     def _queue_usage(self, tx: Any, agent_id: str, own_bytes: int, shared: Sequence[BlockRef]) -> None:

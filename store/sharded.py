@@ -24,11 +24,11 @@ from __future__ import annotations
 import builtins
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from engine.core.blocks import AgentCache
 from producer.wire.ids import validate_agent_id
-from store.backend import Blob, BlockBackend, PrefixEntry, PrefixWrite, Usage
+from store.backend import Blob, BlockBackend, NewBlock, PrefixEntry, PrefixWrite, Usage, WritePlan
 from store.base import log
 from store.block_codec import EncodedBlock
 from store.errors import StoreError
@@ -228,6 +228,29 @@ class ShardedStore(BlockBackend):
 
     def _find_versions(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int] | None]:
         raise NotImplementedError("shared blocks are found by the shard an agent or prefix routes to")
+
+    def _manifest_guard(self, agent_id: str) -> Any:
+        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
+
+    def _guarded_manifest(self, guard: Any, agent_id: str) -> Blob | None:
+        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
+
+    def _reusable(self, guard: Any, agent_id: str, current: Blob | None) -> Manifest | None:
+        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
+
+    def _write_blocks(self, agent_id: str, plan: WritePlan) -> builtins.list[NewBlock]:
+        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
+
+    def _swap_manifest(
+        self,
+        guard: Any,
+        agent_id: str,
+        plan: WritePlan,
+        manifest: Manifest,
+        manifest_blob: bytes,
+        current: Blob | None,
+    ) -> Sequence[tuple[BlockRef, int]] | None:
+        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
 
     def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
         raise NotImplementedError("shared blocks are read by the shard an agent or prefix routes to")
