@@ -198,3 +198,29 @@ def test_the_readme_gives_the_test_command_ci_runs() -> None:
     assert "```bash\nbash .ci/setup && bash .ci/test\n```" in readme
     run = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("bash ")]
     assert run == ["bash .ci/setup", "bash .ci/test"]
+
+
+def _module_name_resolves(dotted: str) -> bool:
+    """`worker.loop.scheduler.Scheduler`: the longest prefix that is a module of the repo, and the
+    first name after it is in that module's source. `store.put` (an object's method) is not a path."""
+    parts = dotted.split(".")
+    second = ROOT / parts[0] / parts[1]
+    if not (second.with_suffix(".py").exists() or second.is_dir()):
+        return True
+    for n in range(len(parts), 1, -1):
+        base = ROOT.joinpath(*parts[:n])
+        for source in (base.with_suffix(".py"), base / "__init__.py"):
+            if source.exists():
+                rest = parts[n:]
+                return not rest or re.search(rf"\b{re.escape(rest[0])}\b", source.read_text()) is not None
+    return False
+
+
+def test_module_names_in_the_docs_exist() -> None:
+    """A dotted `worker.x.y.Name` in a doc names a module of the repo and something in it."""
+    named = {
+        (str(doc.relative_to(ROOT)), found)
+        for doc in DOCS
+        for found in re.findall(r"(?<![\w./-])((?:engine|store|worker|producer)(?:\.\w+)+)", doc.read_text())
+    }
+    assert sorted(item for item in named if not _module_name_resolves(item[1])) == []
