@@ -202,10 +202,11 @@ def test_the_readme_gives_the_test_command_ci_runs() -> None:
 
 def _module_name_resolves(dotted: str) -> bool:
     """`worker.loop.scheduler.Scheduler`: the longest prefix that is a module of the repo, and the
-    first name after it is in that module's source. `store.put` (an object's method) is not a path."""
+    first name after it is in that module's source. `store.put` (two parts, no module `store/put`) is an
+    object's method, not a path."""
     parts = dotted.split(".")
     second = ROOT / parts[0] / parts[1]
-    if not (second.with_suffix(".py").exists() or second.is_dir()):
+    if len(parts) == 2 and not (second.with_suffix(".py").exists() or second.is_dir()):
         return True
     for n in range(len(parts), 1, -1):
         base = ROOT.joinpath(*parts[:n])
