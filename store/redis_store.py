@@ -336,13 +336,13 @@ class RedisStore(BlockBackend):
     def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
         replication = Replication.of(self._client)
         if replication.replicas <= 0:
-            return self._commit_put(agent_id, cache, fence, namespace) is not None
+            return self._put(agent_id, cache, fence, namespace) is not None
         return self._put_replicated(agent_id, cache, fence, namespace, replication)
 
     def _put_replicated(
         self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str, replication: Replication
     ) -> bool:
-        """`_commit_put`, confirmed on the replicas and read back (store/replication.py says why).
+        """`_put`, confirmed on the replicas and read back (store/replication.py says why).
 
         A commit gone by then (a failover dropped it) is written again. Refused writes and lost
         connections are retried for the failover budget, then raise StoreError (the worker counts a
@@ -353,7 +353,7 @@ class RedisStore(BlockBackend):
         """
         if time.monotonic() < self._unreplicated_until:
             self._stats.add("puts_unconfirmed")
-            return self._commit_put(agent_id, cache, fence, namespace) is not None
+            return self._put(agent_id, cache, fence, namespace) is not None
         mkey = self.keys.manifest(agent_id)
         written: bytes | None = None
         failure, unconfirmed = "no try", 0
@@ -362,7 +362,7 @@ class RedisStore(BlockBackend):
             time.sleep(pause)
             try:
                 if written is None:
-                    written = self._commit_put(agent_id, cache, fence, namespace)
+                    written = self._put(agent_id, cache, fence, namespace)
                     if written is None:
                         return False  # stale: a later turn's cache is stored
                 found = confirm(self._client, mkey, self.keys.replication_mark, replication)
@@ -394,6 +394,10 @@ class RedisStore(BlockBackend):
                     return True
         self._failing = True
         raise StoreError(f"put of agent {agent_id!r} not confirmed on the replicas in time ({failure})")
+
+    def _put(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bytes | None:
+        """One commit of the put, as `_put_replicated` retries it (tests/fleet replace it to lose one)."""
+        return self._commit_put(agent_id, cache, fence, namespace)
 
     # --- the put's hooks (BlockBackend._commit_put): the guard is a WATCH on the manifest key --------
     def _put_attempts(self) -> Iterator[int]:
