@@ -1,8 +1,9 @@
-"""Store benchmarks: disk and Redis throughput vs plain I/O of the same bytes, warm resume vs cold
-prefill on the builtin model, and what KV quantization at rest costs in size and in output.
+"""Store benchmarks: disk and Redis throughput vs plain I/O of the same bytes, forks vs copies of an
+agent, warm resume vs cold prefill on the builtin model, and what KV quantization at rest costs in size
+and in output.
 
 Run: LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 python benchmarks/bench_store.py
-     [--quick] [--only disk,redis,shared,resume,quant] [--redis-url redis://127.0.0.1:6379/0] [--dir PATH]
+     [--quick] [--only disk,redis,shared,fork,resume,quant] [--redis-url URL] [--dir PATH] [--forks N]
 (the script also re-execs itself with OpenBLAS preloaded when it is installed and not loaded).
 Writes benchmarks/results/store.json and prints markdown tables.
 """
@@ -291,6 +292,86 @@ def bench_shared(prefix_tokens: int, agents: int, url: str, root: Path) -> list[
 
 
 # --- the builtin model: warm resume and quantization -----------------------------------------------
+def extended(cache: Any, new_tokens: int, seed: int) -> Any:
+    """`cache` plus `new_tokens` tokens of its own (a fork's next turn): the parent's full blocks as
+    they are (the KV of the same tokens), new KV from the parent's last partial block on."""
+    from engine.core.blocks import AgentCache
+
+    extra = random_cache(cache.spec, cache.n_tokens + new_tokens, seed=seed)
+    tokens = cache.token_ids + extra.token_ids[cache.n_tokens :]
+    full = cache.n_tokens // cache.spec.block_tokens
+    return AgentCache(cache.spec, tokens, [*cache.blocks[:full], *extra.blocks[full:]])
+
+
+def stored_bytes(store: Any, kind: str, root: Path, prefix: str) -> int:
+    """What the store holds now: files under its directory, or the values under its Redis prefix."""
+    if kind == "disk":  # a shared block is one file with a hard link per agent: count each inode once
+        files = {(s.st_dev, s.st_ino): s.st_size for p in root.rglob("*") if p.is_file() for s in [p.stat()]}
+        return sum(files.values())
+    client = store._client
+    return sum(int(client.memory_usage(key) or 0) for key in client.scan_iter(f"{prefix}*"))
+
+
+def bench_fork(
+    kind: str, tokens: int, forks: int, new: int, repeat: int, url: str, root: Path
+) -> dict[str, Any]:
+    """A fork's put (the parent's blocks linked, issue 27: fork_from) vs a copy's (every block written),
+    alternately on one store; then `forks` forks of `new` tokens each: the bytes they add."""
+    from store.disk import DiskStore
+    from store.redis_store import RedisStore
+
+    spec = smollm2_spec()
+    prefix = f"kvrq:bench:fork:{time.time_ns()}:"
+    store: Any = DiskStore(root / kind, spec) if kind == "disk" else RedisStore(url, spec, prefix=prefix)
+    try:
+        parent = random_cache(spec, tokens, seed=1)
+        store.put("parent", parent)
+        one_agent = stored_bytes(store, kind, root / kind, prefix)
+        fork_s, copy_s, fork_written, copy_written = [], [], [], []
+        for i in range(repeat):
+            before = store.stats()["bytes_written"]
+            start = time.perf_counter()
+            store.put(f"fork-{i}", parent)  # a fork: the parent's tokens, its blocks linked
+            fork_s.append(time.perf_counter() - start)
+            fork_written.append(store.stats()["bytes_written"] - before)
+            copy = fresh_tokens(parent, seed=100 + i)
+            before = store.stats()["bytes_written"]
+            start = time.perf_counter()
+            store.put(f"copy-{i}", copy)  # a copy: every block written again
+            copy_s.append(time.perf_counter() - start)
+            copy_written.append(store.stats()["bytes_written"] - before)
+            store.delete(f"fork-{i}")
+            store.delete(f"copy-{i}")
+        own_bytes = 0
+        for i in range(forks):
+            child = extended(parent, new, seed=200 + i)
+            before = store.stats()["bytes_written"]
+            store.put(f"branch-{i}", child)
+            own_bytes += store.stats()["bytes_written"] - before
+        with_forks = stored_bytes(store, kind, root / kind, prefix)
+        for name in ["parent", *(f"branch-{i}" for i in range(forks))]:
+            store.delete(name)
+        return {
+            "backend": kind,
+            "tokens": tokens,
+            "agent_mb": round(parent.nbytes / 1e6, 1),
+            "fork_s": round(statistics.median(fork_s), 4),
+            "copy_s": round(statistics.median(copy_s), 4),
+            "time_ratio": round(statistics.median(fork_s) / statistics.median(copy_s), 4),
+            "fork_written_mb": round(statistics.median(fork_written) / 1e6, 2),
+            "copy_written_mb": round(statistics.median(copy_written) / 1e6, 1),
+            "bytes_ratio": round(statistics.median(fork_written) / statistics.median(copy_written), 4),
+            "forks": forks,
+            "new_tokens_each": new,
+            "stored_one_agent_mb": round(one_agent / 1e6, 1),
+            "stored_with_forks_mb": round(with_forks / 1e6, 1),
+            "forks_own_written_mb": round(own_bytes / 1e6, 1),
+            "storage_vs_one_agent_plus_own": round(with_forks / (one_agent + own_bytes), 3),
+        }
+    finally:
+        store.close()
+
+
 def load_engine() -> Any:
     from engine.batch.engine import BlockPoolBatchEngine
     from engine.models.load import load_model
@@ -537,7 +618,10 @@ def table(rows: list[dict], columns: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller sizes")
-    parser.add_argument("--only", default="disk,redis,shared,resume,quant", help="comma-separated sections")
+    parser.add_argument(
+        "--only", default="disk,redis,shared,fork,resume,quant", help="comma-separated sections"
+    )
+    parser.add_argument("--forks", type=int, default=8, help="forks of one agent (section fork) [8]")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--dir", default=None, help="directory for the disk benchmark (default: a temp dir)")
     parser.add_argument("--output", default=str(RESULTS))
@@ -587,6 +671,14 @@ def main(argv: list[str] | None = None) -> int:
                 "warm_vs_own",
             ]
             print(table(results["shared"], columns))
+        if "fork" in sections:
+            tokens = 2048 + 100 if args.quick else 8192 + 100
+            results["fork"] = [
+                bench_fork(kind, tokens, args.forks, 64, repeat, args.redis_url, root)
+                for kind in ("disk", "redis")
+            ]
+            print(f"\n## Forks vs copies ({tokens} tokens, median of {repeat}; then {args.forks} forks)\n")
+            print(table(results["fork"], list(results["fork"][0])))
         if sections & {"resume", "quant"}:
             engine = load_engine()
             if "resume" in sections:
