@@ -83,6 +83,6 @@ def test_growing_an_agent_counts_its_new_size_once(backend_factory: Factory) -> 
     assert store.stats()["evictions"] == 0
 
 
-def test_invalid_budget_is_refused() -> None:
+def test_invalid_budget_is_refused(backend_factory: Factory) -> None:
     with pytest.raises(ValueError):
-        RedisStore("redis://127.0.0.1:1/0", tiny_spec(), max_bytes=0)
+        backend_factory(tiny_spec(), max_bytes=0)

@@ -16,6 +16,7 @@ import pytest
 
 from store.backend import BlockBackend
 from store.disk import DiskStore
+from store.manifest import Manifest
 from store.redis_store import RedisStore
 from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec
 
@@ -84,27 +85,33 @@ def _race(kind: str, location: str) -> None:
     reader.close()
 
 
-@pytest.mark.integration
-def test_two_processes_on_disk(tmp_path: Path) -> None:
-    location = str(tmp_path / "store")
-    DiskStore(location, tiny_spec())  # create the root before the race
-    _race("disk", location)
-    blocks = list((tmp_path / "store").rglob("blocks/*"))
-    manifest = DiskStore(location, tiny_spec()).read_manifest(AGENT)
-    assert manifest is not None
-    assert sorted(p.name for p in blocks) == sorted(f"{r.name}.safetensors" for r in manifest.blocks)
+def _stored_blocks(store: BlockBackend) -> set[str]:
+    """The block values the store keeps for good, as it names them (disk: the agent's block files;
+    Redis: its values without a provisional expiry)."""
+    if isinstance(store, DiskStore):
+        return {p.name for p in store.root.rglob("blocks/*")}
+    assert isinstance(store, RedisStore)
+    return redis_value_keys(store._client, store.prefix, persistent_only=True)
+
+
+def _referenced(store: BlockBackend, manifest: Manifest) -> set[str]:
+    """The names `_stored_blocks` gives the blocks the manifest references."""
+    if isinstance(store, DiskStore):
+        return {f"{ref.name}.safetensors" for ref in manifest.blocks}
+    assert isinstance(store, RedisStore)
+    return set(store.keys.of_refs(AGENT, manifest.blocks, manifest.part_bytes))
 
 
 @pytest.mark.integration
-def test_two_processes_on_redis(redis_url: str) -> None:
-    import redis
-
-    _race("redis", redis_url)
-    client = redis.Redis.from_url(redis_url)
-    store = RedisStore(redis_url, tiny_spec(), prefix="conc:")
+@pytest.mark.parametrize("kind", ["disk", "redis-server"])
+def test_two_processes(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    location = str(tmp_path / "store") if kind == "disk" else request.getfixturevalue("redis_url")
+    _open(kind, location).close()  # create the disk store's root before the race
+    _race(kind, location)
+    store = _open(kind, location)
     manifest = store.read_manifest(AGENT)
     assert manifest is not None
-    stored = redis_value_keys(client, "conc:", persistent_only=True)
-    # Own blocks of aborted attempts are deleted by their writer, shared ones left on their provisional
-    # expiry, and shared blocks no manifest uses collected: nothing else may stay.
-    assert stored == set(store.keys.of_refs(AGENT, manifest.blocks, manifest.part_bytes))
+    # Own blocks of aborted attempts are deleted by their writer (Redis: shared ones left on their
+    # provisional expiry), and shared blocks no manifest uses collected: nothing else may stay.
+    assert _stored_blocks(store) == _referenced(store, manifest)
+    store.close()

@@ -179,15 +179,16 @@ def _race(kind: str, location: str) -> None:
 
 
 @pytest.mark.integration
-def test_a_lower_fence_loses_to_a_concurrent_writer_on_disk(tmp_path: Path) -> None:
-    location = str(tmp_path / "store")
-    DiskStore(location, tiny_spec())
-    _race("disk", location)
-
-
-@pytest.mark.integration
-def test_a_lower_fence_loses_to_a_concurrent_writer_on_redis(redis_url: str) -> None:
-    _race("redis", redis_url)
+@pytest.mark.parametrize("kind", ["disk", "redis-server"])
+def test_a_lower_fence_loses_to_a_concurrent_writer(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if kind == "disk":
+        location = str(tmp_path / "store")
+        DiskStore(location, tiny_spec()).close()  # create the root before the race
+        _race("disk", location)
+    else:
+        _race("redis", request.getfixturevalue("redis_url"))
 
 
 # --- a fence lost on a retry, after this put wrote its blocks ----------------------------------------

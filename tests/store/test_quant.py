@@ -72,15 +72,15 @@ def test_quantized_blocks_are_reused_across_turns(backend_factory: Factory) -> N
 
 
 @pytest.mark.parametrize("group_size", [48, 16, 256])
-def test_bad_group_sizes_are_refused(group_size: int) -> None:
+def test_bad_group_sizes_are_refused(backend_factory: Factory, group_size: int) -> None:
     with pytest.raises(ValueError):
-        RedisStore("redis://127.0.0.1:1/0", tiny_spec(), quantization="q8", group_size=group_size)
+        backend_factory(tiny_spec(), quantization="q8", group_size=group_size)
 
 
-def test_group_size_must_divide_the_head_dim(tmp_path: object) -> None:
+def test_group_size_must_divide_the_head_dim(backend_factory: Factory) -> None:
     from engine.core.spec import LayerSpec, ModelCacheSpec
 
     spec = ModelCacheSpec("odd", 1, (LayerSpec("full"),), 1, 96, 96, "float32")
     with pytest.raises(ValueError, match="multiple"):
-        RedisStore("redis://127.0.0.1:1/0", spec, quantization="q4", group_size=64)
-    RedisStore("redis://127.0.0.1:1/0", spec, quantization="q4", group_size=32)  # 96 = 3 x 32
+        backend_factory(spec, quantization="q4", group_size=64)
+    backend_factory(spec, quantization="q4", group_size=32)  # 96 = 3 x 32
