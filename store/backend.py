@@ -779,10 +779,25 @@ class BlockBackend(ABC):
     def _prefix_entries(self) -> builtins.list[PrefixEntry]:
         """Every block held for anonymous prefixes, with how many agents link it."""
 
-    @abstractmethod
     def _evict_prefix(self, entry: PrefixEntry) -> bool:
-        """Drop the prefix hold on a block and delete it, atomically, unless an agent links it
-        (checked at that moment); False if it was kept or already gone."""
+        """Drop the prefix hold on a block and delete it unless an agent links it (checked at that
+        moment); False if it was kept or already gone. An agent that links it between the check and
+        the drop keeps it: `_drop_hold` deletes the block only if its reference count is then 0."""
+        if parse_shared_name(entry.name) is None:
+            return False
+        if self._shared_users(entry.name) > 0:
+            return False  # an agent links it: the agents' budget decides
+        return self._drop_hold(entry)
+
+    @abstractmethod
+    def _shared_users(self, name: str) -> int:
+        """The reference count of a shared block: how many agents' manifests link it (neither the
+        prefix hold nor the index of shared blocks counts)."""
+
+    @abstractmethod
+    def _drop_hold(self, entry: PrefixEntry) -> bool:
+        """Drop the prefix hold on a block and delete it if then no agent links it, atomically; False
+        if there was no hold."""
 
     def _drop_damaged_prefix(self, ref: BlockRef) -> None:
         """A shared block that failed its checks: drop it if only the prefix budget holds it, so the

@@ -490,14 +490,22 @@ class DiskStore(BlockBackend):
             indexed = int(path is not None and os.stat(path).st_ino == hold.st_ino)
         return hold.st_nlink - 1 - indexed
 
-    def _evict_prefix(self, entry: PrefixEntry) -> bool:
+    def _shared_users(self, name: str) -> int:
+        try:
+            return self._agents_linking(name, os.stat(self._hold_path(name)))
+        except FileNotFoundError:
+            pass  # not held: only the index's link is not an agent's
+        path = self._shared_path(name)
+        try:
+            return 0 if path is None else os.stat(path).st_nlink - 1
+        except FileNotFoundError:
+            return 0
+
+    def _drop_hold(self, entry: PrefixEntry) -> bool:
         """Unlink the hold, then collect the block if only the index links it: an agent linking it
         at the same moment keeps its own link, so a block in use is never lost."""
-        hold = self._hold_path(entry.name)
         try:
-            if self._agents_linking(entry.name, os.stat(hold)) > 0:
-                return False
-            os.unlink(hold)
+            os.unlink(self._hold_path(entry.name))
         except FileNotFoundError:
             return False
         self._release_shared([entry.name])

@@ -705,19 +705,17 @@ class RedisStore(BlockBackend):
             entries.append(PrefixEntry(name, int(nbytes), float(score), agents, int(part_bytes or 0)))
         return entries
 
-    def _evict_prefix(self, entry: PrefixEntry) -> bool:
-        """Drop the hold and collect the block by the release every agent's commit uses (atomic: the
-        block goes only if its reference set is then empty). An agent that links it between the check
-        here and the release keeps it: the prefix only loses its hold."""
-        if parse_shared_name(entry.name) is None:
-            return False
-        refs_key = self.keys.refs(entry.name)
+    def _shared_users(self, name: str) -> int:
+        refs_key = self.keys.refs(name)
         pipe = self._client.pipeline(transaction=False)
         pipe.scard(refs_key)
         pipe.sismember(refs_key, PREFIX_HOLDER)
         users, held = pipe.execute()
-        if int(users) - int(held) > 0:
-            return False  # an agent links it: the agents' budget decides
+        return int(users) - int(held)
+
+    def _drop_hold(self, entry: PrefixEntry) -> bool:
+        """Drop the hold and collect the block by the release every agent's commit uses (atomic: the
+        block goes only if its reference set is then empty)."""
         pipe = self._client.pipeline(transaction=False)
         pipe.zrem(self.keys.prefixes, entry.name)
         pipe.hdel(self.keys.prefix_sizes, entry.name)

@@ -263,5 +263,8 @@ class ShardedStore(BlockBackend):
     def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
         raise NotImplementedError("prefixes are touched by the shard their first block routes to")
 
-    def _evict_prefix(self, entry: PrefixEntry) -> bool:
+    def _shared_users(self, name: str) -> int:
+        raise NotImplementedError("shared blocks are counted by the shard that holds them")
+
+    def _drop_hold(self, entry: PrefixEntry) -> bool:
         raise NotImplementedError("prefix blocks are evicted by the shard that holds them")
