@@ -5,7 +5,7 @@ Run: python benchmarks/bench_kv_quant.py [--only quality|capacity|prefill] [--qu
 markdown tables.
 
 quality, per model (the builtin SmolLM2-135M; tiny random-weight llama and qwen3 of the tests,
-tests/engine/tiny.py) and per bit width, against the unquantized engine:
+benchmarks/tiny_models.py) and per bit width, against the unquantized engine:
 - greedy agreement: PROMPTS run through BlockPoolBatchEngine with and without kv_bits, 32 new
   tokens each: the share of generated tokens before the first difference, and prompts equal throughout;
 - |log-prob difference| of the chosen token (mean, max) over the positions where both engines saw
@@ -67,8 +67,8 @@ def _models(
     quick: bool, name: str | None
 ) -> list[tuple[str, Any, Any, list[list[int]], list[tuple[int, int]]]]:
     """(name, model, tokenizer, prompt token lists, (bits, group size) settings) for each model."""
+    from benchmarks.tiny_models import QUANTIZABLE, ByteTokenizer, tiny_model
     from engine.models.load import load_model
-    from tests.engine.tiny import QUANTIZABLE, ByteTokenizer, tiny_model
 
     model, tokenizer = load_model(name) if name else load_model()
     chat = [
