@@ -49,3 +49,16 @@ def test_the_wire_loads_without_rq_or_pydantic() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_benchmarks_import_nothing_from_tests_but_the_client_sessions() -> None:
+    """What benchmarks and tests share lives in benchmarks/ (procs, caches, sentinel, chaos_checks,
+    tiny_models) and the tests import it; bench_clients.py alone drives tests/clients' own drivers."""
+    found = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [(path.name, n) for n in names if n.split(".")[0] == "tests"]
+    assert [(f, m) for f, m in found if f != "bench_clients.py"] == []
