@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import machine, write_json  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas, openblas_loaded  # noqa: E402
 
 TOPICS = [
@@ -139,13 +139,7 @@ def main() -> int:
         for line in lines
     ]
     report: dict[str, Any] = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "openblas_preloaded": openblas_loaded(),
-            "load_average_at_start": os.getloadavg(),
-        },
+        "machine": {**machine(), "openblas_preloaded": openblas_loaded()},
         "model": "smollm2-135m (float32 on CPU)",
         "lines": count,
         "max_tokens": args.max_tokens,
@@ -193,8 +187,7 @@ def main() -> int:
     report["wall_time_ratio"] = batch["seconds"] / direct["seconds"]
     report["target_ratio"] = 1.15
     report["identical_texts"] = f"{same}/{count}"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print_table(report)
     print(f"\nwrote {args.out}")
     return 0

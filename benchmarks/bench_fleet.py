@@ -14,7 +14,6 @@ goes to the worker that holds it hot. Everything runs on this machine, on loopba
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import machine, write_json  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 TOPICS = ["a lighthouse", "a bakery", "a mountain hut", "a river ferry", "a small library", "an orchard"]
@@ -146,13 +146,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet.json"))
     args = parser.parse_args()
-    report = {"load_average_at_start": os.getloadavg(), "modes": []}
+    report = {"machine": machine(), "modes": []}
     for affinity in (False, True):
         print(f"affinity {'on' if affinity else 'off'} ...", flush=True)
         report["modes"].append(run_mode(affinity, args))
     report["load_average_at_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print("| affinity | later turns | moved | hot-tier hits | prompt reused | TTFT p50 | TTFT p95 | wall |")
     print("|---|---|---|---|---|---|---|---|")
     for m in report["modes"]:

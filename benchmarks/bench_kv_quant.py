@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import machine, write_json  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "kv_quant.json"
@@ -325,8 +326,7 @@ def main() -> None:
         results["capacity"] = bench_capacity(args.quick)
     if args.only in (None, "prefill"):
         results["prefill"] = bench_prefill(args.quick)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1))
+    write_json(RESULTS, {"machine": machine(), **results})
 
 
 if __name__ == "__main__":

@@ -21,9 +21,6 @@ Two levels:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import shutil
 import socket
@@ -44,6 +41,7 @@ import redis  # noqa: E402
 from redis.cluster import ClusterNode, RedisCluster  # noqa: E402
 
 from benchmarks.caches import make_cache, tokens  # noqa: E402
+from benchmarks.common import machine, write_json  # noqa: E402
 from benchmarks.sentinel import SentinelTopology  # noqa: E402
 from engine.core.spec import LayerSpec, ModelCacheSpec  # noqa: E402
 from producer.wire.redis_url import connect  # noqa: E402
@@ -328,18 +326,15 @@ def main() -> None:
         servers.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    load = os.getloadavg()
     report = {
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "load_average": load,
+        "machine": machine(),
         "args": vars(args),
         "agents_per_shard": [spread.count(i) for i in range(3)],
         "medians": medians,
         "dedup": cost,
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(RESULTS, report)
+    load = report["machine"]["load_average"]
 
     mb = args.tokens * SPEC.bytes_per_token() / 1e6
     print(
