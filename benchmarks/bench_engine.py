@@ -17,6 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import table  # noqa: E402
 from engine.core.params import SamplingParams
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
@@ -692,13 +693,6 @@ def bench_rows(row_counts: list[int], steps: int) -> list[dict[str, Any]]:
         )
         print(out[-1], flush=True)
     return out
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_engine import table  # noqa: E402
+from benchmarks.common import table  # noqa: E402
 from engine.core.params import SamplingParams  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 

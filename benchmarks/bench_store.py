@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import table  # noqa: E402
 from engine.core.params import SamplingParams
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
@@ -608,13 +609,6 @@ def _agreement(reference: list[int], got: list[int]) -> dict[str, Any]:
 
 
 # --- report --------------------------------------------------------------------------------------
-def table(rows: list[dict], columns: list[str]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller sizes")

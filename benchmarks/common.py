@@ -33,6 +33,14 @@ def percentile(values: Sequence[float], q: float, empty: float | None = None) ->
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else empty
 
 
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """`rows` as a markdown table: `columns` (default: the first row's keys) in order, "" where absent."""
+    keys = list(columns if columns is not None else rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(row.get(key, "")) for key in keys) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def machine() -> dict[str, Any]:
     """Where a result was measured: the machines are shared, so the load average goes with every run."""
     return {
