@@ -1,7 +1,11 @@
-"""What DiskStore and RedisStore share: the read path, write planning, and budget eviction.
+"""The store policy, written once: what DiskStore and RedisStore share over a small set of hooks.
 
-A backend only supplies raw reads and writes of manifests and blocks. Reading is
-lock-free: a reader that finds a block gone re-reads the manifest, and if a newer
+Here: the read path, cross-agent warm starts, write planning and the put (a guarded
+compare-and-swap of the manifest); prefix holds (store/prefix_holds.py) and byte budgets
+(store/budget.py) are mixed in. A backend supplies raw reads of manifests and blocks, the
+guard and swap of a manifest, block writes, shared-block lookups and reference counts.
+
+Reading is lock-free: a reader that finds a block gone re-reads the manifest, and if a newer
 generation replaced it meanwhile it simply reads again; only if the same manifest
 still points at a missing block is the cache broken.
 """
@@ -12,8 +16,7 @@ import builtins
 import dataclasses
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,7 @@ from producer.wire.ids import validate_agent_id
 from store import layered_codec, quant
 from store.base import BACKEND_COUNTERS, CacheInfo, Stats, log, note_miss, record_miss, shared_prefix
 from store.block_codec import EncodedBlock, decode_block, encode_block
+from store.budget import ByteBudget
 from store.errors import (
     ABSENT,
     BACKEND_ERROR,
@@ -51,19 +55,12 @@ from store.manifest import (
     stored_fence,
     summarize_manifest,
 )
+from store.prefix_holds import DEFAULT_PREFIX_BYTES, PrefixHolds
 
 _READ_ATTEMPTS = 3
-BUDGET_RESCAN_S = 5.0
 
 Blob = bytes | bytearray | memoryview
 DEFAULT_NAMESPACE = "default"
-# Anonymous prefixes (get_prefix / put_prefix) are held under their own budget: by default a quarter of
-# the store's max_bytes, or this much in a store without one; 0 turns them off.
-DEFAULT_PREFIX_BYTES = 1024 * 1024 * 1024
-# A prefix touched at time t records block i at t - i * _DEPTH_STEP_S: a block is never less recent
-# than the blocks after it, so LRU eviction takes a run's tail first and never strands a tail.
-_DEPTH_STEP_S = 1e-6
-PREFIX_LABEL = "(prefix)"  # stands for the agent id in logs of anonymous prefix reads
 
 
 def check_namespace(namespace: object) -> str:
@@ -71,11 +68,6 @@ def check_namespace(namespace: object) -> str:
     if not isinstance(namespace, str) or not 0 < len(namespace) <= 200:
         raise ValueError(f"namespace must be a string of 1 to 200 characters, got {namespace!r}")
     return namespace
-
-
-def prefix_recency(now: float, depth: int) -> float:
-    """The last-used time recorded for the block at `depth` of a prefix touched at `now`."""
-    return now - depth * _DEPTH_STEP_S
 
 
 def check_fence(fence: object) -> None:
@@ -90,40 +82,6 @@ def check_fence(fence: object) -> None:
 
 class _Rewritten(Exception):
     """A block vanished because a writer replaced the manifest meanwhile: read again."""
-
-
-@dataclass(frozen=True)
-class Usage:
-    """One stored agent as budget enforcement sees it."""
-
-    handle: str  # what `_remove` takes (a directory key on disk, the agent id in Redis)
-    agent_id: str | None  # None when the manifest is too damaged to name its agent
-    nbytes: int  # its own: the manifest and the blocks no other agent can use
-    last_used: float
-    # (name, bytes) of the shared blocks it uses: counted once however many agents use them,
-    # freed with their last user.
-    shared: tuple[tuple[str, int], ...] = ()
-    pinned: bool = False  # never evicted
-
-
-@dataclass(frozen=True)
-class PrefixEntry:
-    """One block held for anonymous prefixes, as the prefix budget sees it."""
-
-    name: str  # the shared block's name, `{share}.{crc32:08x}`
-    nbytes: int
-    last_used: float
-    agents: int  # how many agents link it besides the prefix hold (0: the budget may evict it)
-    part_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class PrefixWrite:
-    """What a backend did for one put_prefix."""
-
-    held: int = 0  # blocks found stored (a lookup, no encode or write), now held
-    written: int = 0  # blocks encoded and written
-    bytes_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,7 +132,7 @@ class WritePlan:
         return dataclasses.replace(self.draft, blocks=refs)
 
 
-class BlockBackend(ABC):
+class BlockBackend(PrefixHolds, ByteBudget, ABC):
     """Base of the block-structured backends (one manifest + one blob per block per agent)."""
 
     kind = "backend"
@@ -705,191 +663,6 @@ class BlockBackend(ABC):
         self._stats.add("bytes_written", manifest_bytes + written)
         self._stats.add("bytes_saved", saved)
         return manifest_bytes + written
-
-    # --- anonymous prefixes --------------------------------------------------------------------
-    def get_prefix(self, prompt_tokens: Sequence[int], *, namespace: str | None = None) -> AgentCache | None:
-        """The longest run of full blocks of the prompt that any job of the namespace stored (with or
-        without an agent), or None. A hit makes those blocks the most recently used prefix blocks.
-        Never raises for stored data: a damaged block ends the run (`prefix_damaged`)."""
-        namespace = self.effective_namespace(namespace)
-        self._stats.add("prefix_gets")
-        found = None
-        if self.prefix_max_bytes > 0:
-            found = self._shared_run(PREFIX_LABEL, prompt_tokens, 0, namespace)
-        if found is None:
-            self._stats.add("prefix_misses")
-            return None
-        cache, refs = found
-        try:
-            self._touch_prefix([(ref.name, ref.nbytes) for ref in refs], time.time())
-        except self._io_errors() as exc:  # the blocks are good: only their recency is stale
-            log.debug("%s: could not record the use of a prefix: %r", self.kind, exc)
-        self._stats.add("prefix_hits")
-        self._stats.add("prefix_tokens", cache.n_tokens)
-        return cache
-
-    def put_prefix(self, cache: AgentCache, *, namespace: str | None = None) -> bool:
-        """Hold the cache's full blocks in the namespace's shared area for later jobs, without an agent.
-
-        A block some job stored already costs a lookup (it is only held and made recent); the others
-        are encoded and written. Held blocks no agent links are evicted least recently used first to
-        stay under `prefix_max_bytes`; blocks agents link count toward `max_bytes` and are never
-        evicted by this budget. False when nothing is held (no full block, windowed model, budget 0).
-        """
-        namespace = self.effective_namespace(namespace)
-        cache.validate(self.spec)
-        if self.prefix_max_bytes == 0 or not self.spec.all_full_attention:
-            return False
-        block_tokens = self.spec.block_tokens
-        n_full = 0
-        for block in cache.blocks:
-            if block.n_tokens != block_tokens or block.layout() != "":
-                break
-            n_full += 1
-        if n_full == 0:
-            return False
-        tokens = cache.token_ids[: n_full * block_tokens]
-        chains = chain_keys(self.spec, self.quantization, self.group_size, tokens, [""] * n_full)
-        shares = share_keys(chains, namespace, self.part_bytes)
-
-        def encode(index: int) -> EncodedBlock:
-            return encode_block(cache.blocks[index], self.spec, self.quantization, self.group_size)
-
-        done = self._store_prefix(shares, encode, time.time())
-        self._stats.add("prefix_puts")
-        self._stats.add("prefix_blocks_held", done.held)
-        self._stats.add("prefix_blocks_written", done.written)
-        self._stats.add("prefix_bytes_written", done.bytes_written)
-        self._after_prefix_put(done.bytes_written)
-        return True
-
-    @abstractmethod
-    def _store_prefix(
-        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
-    ) -> PrefixWrite:
-        """Hold the shared block of each share key (in order, block i recorded at prefix_recency(now, i)):
-        a stored version is held as it is, the others are `encode(i)`d and written first."""
-
-    @abstractmethod
-    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
-        """Make these (name, bytes) blocks, a run from the start, the most recently used prefix blocks
-        (where the prefix budget holds them)."""
-
-    @abstractmethod
-    def _prefix_entries(self) -> builtins.list[PrefixEntry]:
-        """Every block held for anonymous prefixes, with how many agents link it."""
-
-    def _evict_prefix(self, entry: PrefixEntry) -> bool:
-        """Drop the prefix hold on a block and delete it unless an agent links it (checked at that
-        moment); False if it was kept or already gone. An agent that links it between the check and
-        the drop keeps it: `_drop_hold` deletes the block only if its reference count is then 0."""
-        if parse_shared_name(entry.name) is None:
-            return False
-        if self._shared_users(entry.name) > 0:
-            return False  # an agent links it: the agents' budget decides
-        return self._drop_hold(entry)
-
-    @abstractmethod
-    def _shared_users(self, name: str) -> int:
-        """The reference count of a shared block: how many agents' manifests link it (neither the
-        prefix hold nor the index of shared blocks counts)."""
-
-    @abstractmethod
-    def _drop_hold(self, entry: PrefixEntry) -> bool:
-        """Drop the prefix hold on a block and delete it if then no agent links it, atomically; False
-        if there was no hold."""
-
-    def _drop_damaged_prefix(self, ref: BlockRef) -> None:
-        """A shared block that failed its checks: drop it if only the prefix budget holds it, so the
-        next put_prefix writes it again (agents that link it find it damaged themselves)."""
-        try:
-            self._evict_prefix(PrefixEntry(ref.name, ref.nbytes, 0.0, 0, self.part_bytes))
-        except self._io_errors() as exc:
-            log.warning("%s: could not drop the damaged shared block %s: %r", self.kind, ref.name, exc)
-
-    def _after_prefix_put(self, nbytes: int) -> None:
-        """Evict prefix blocks if they may be over budget (else a full scan at most every few seconds)."""
-        self._prefix_estimate += nbytes
-        stale = time.monotonic() - self._prefix_last_scan > BUDGET_RESCAN_S
-        if stale or self._prefix_estimate > self.prefix_max_bytes:
-            self.enforce_prefix_budget()
-
-    def enforce_prefix_budget(self) -> int:
-        """Evict held prefix blocks that no agent links, least recently used first, until those fit
-        prefix_max_bytes. Returns how many were evicted."""
-        entries = sorted((e for e in self._prefix_entries() if e.agents == 0), key=lambda e: e.last_used)
-        total = sum(entry.nbytes for entry in entries)
-        evicted = 0
-        for entry in entries:
-            if total <= self.prefix_max_bytes:
-                break
-            if self._evict_prefix(entry):
-                evicted += 1
-                self._stats.add("prefix_evictions")
-                self._stats.add("prefix_evicted_bytes", entry.nbytes)
-            total -= entry.nbytes  # evicted, or linked by an agent meanwhile: out of this budget either way
-        if evicted:
-            log.info(
-                "%s: evicted %d prefix blocks to stay under %d bytes",
-                self.kind,
-                evicted,
-                self.prefix_max_bytes,
-            )
-        self._prefix_estimate = total
-        self._prefix_last_scan = time.monotonic()
-        return evicted
-
-    # --- budgets -------------------------------------------------------------------------------
-    @abstractmethod
-    def _usage(self) -> builtins.list[Usage]:
-        """Everything this store holds, one entry per agent (for budget enforcement)."""
-
-    @abstractmethod
-    def _remove(self, handle: str) -> bool:
-        """Delete one agent's cache by its usage handle; False if it was already gone."""
-
-    def _after_put(self, handle: str, nbytes: int) -> None:
-        """Evict if the store may be over budget (a full scan at most every few seconds otherwise)."""
-        if self.max_bytes is None:
-            return
-        self._estimated_bytes += nbytes
-        stale = time.monotonic() - self._last_scan > BUDGET_RESCAN_S
-        if stale or self._estimated_bytes > self.max_bytes:
-            self.enforce_budget(keep=handle)
-
-    def enforce_budget(self, keep: str | None = None) -> int:
-        """Evict least-recently-used agents (never `keep`, never a pinned one) until the store fits
-        max_bytes; pinned agents still count, so a store of pinned agents may stay over it."""
-        if self.max_bytes is None:
-            return 0
-        entries = sorted(self._usage(), key=lambda entry: entry.last_used)
-        users = Counter(name for entry in entries for name, _ in entry.shared)
-        shared_bytes = {name: nbytes for entry in entries for name, nbytes in entry.shared}
-        total = sum(entry.nbytes for entry in entries) + sum(shared_bytes.values())
-        evicted = 0
-        for entry in entries:
-            if total <= self.max_bytes:
-                break
-            if entry.handle == keep or entry.pinned:
-                continue
-            users.subtract(name for name, _ in entry.shared)
-            freed = entry.nbytes + sum(nbytes for name, nbytes in entry.shared if users[name] == 0)
-            if self._remove(entry.handle):
-                evicted += 1
-                self._stats.add("evictions")
-                self._stats.add("evicted_bytes", freed)
-                log.info(
-                    "%s: evicted agent %r (%d bytes, last used %.0f s ago) to stay under %d bytes",
-                    self.kind,
-                    entry.agent_id,
-                    freed,
-                    time.time() - entry.last_used,
-                    self.max_bytes,
-                )
-            total -= freed
-        self._estimated_bytes = total
-        self._last_scan = time.monotonic()
-        return evicted
 
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()

@@ -41,14 +41,11 @@ from store.backend import (
     Blob,
     BlockBackend,
     NewBlock,
-    PrefixEntry,
-    PrefixWrite,
-    Usage,
     WritePlan,
-    prefix_recency,
 )
 from store.base import log
 from store.block_codec import EncodedBlock
+from store.budget import Usage
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import map_parallel, submit
@@ -60,6 +57,7 @@ from store.manifest import (
     shared_name,
     summarize_manifest,
 )
+from store.prefix_holds import PrefixEntry, PrefixWrite, prefix_recency
 
 MARKER = "kvrq-store.json"
 _MARKER_CONTENT = {"format": "kvrq-store", "layout": 1}

@@ -48,14 +48,11 @@ from store.backend import (
     Blob,
     BlockBackend,
     NewBlock,
-    PrefixEntry,
-    PrefixWrite,
-    Usage,
     WritePlan,
-    prefix_recency,
 )
 from store.base import log
 from store.block_codec import EncodedBlock
+from store.budget import Usage
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import submit
@@ -69,6 +66,7 @@ from store.manifest import (
     stored_fence,
     summarize_manifest,
 )
+from store.prefix_holds import PrefixEntry, PrefixWrite, prefix_recency
 from store.redis_keys import (
     RedisKeys,
     as_blob,

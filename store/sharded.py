@@ -28,11 +28,13 @@ from typing import Any, TypeVar
 
 from engine.core.blocks import AgentCache
 from producer.wire.ids import validate_agent_id
-from store.backend import Blob, BlockBackend, NewBlock, PrefixEntry, PrefixWrite, Usage, WritePlan
+from store.backend import Blob, BlockBackend, NewBlock, WritePlan
 from store.base import log
 from store.block_codec import EncodedBlock
+from store.budget import Usage
 from store.errors import StoreError
 from store.manifest import BlockRef, Manifest
+from store.prefix_holds import PrefixEntry, PrefixWrite
 
 T = TypeVar("T")
 

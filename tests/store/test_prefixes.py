@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import store.backend
+import store.prefix_holds
 from engine.core.blocks import AgentCache
 from store.backend import BlockBackend
 from store.disk import DiskStore
@@ -82,7 +83,7 @@ def test_round_trip_and_a_stored_block_costs_a_lookup(
     def no_encoding(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a stored block was encoded again")
 
-    monkeypatch.setattr(store.backend, "encode_block", no_encoding)
+    monkeypatch.setattr(store.prefix_holds, "encode_block", no_encoding)  # put_prefix's encoder
     assert reader.put_prefix(_cache(reader, PREFIX + tokens(3, seed=3)))
     assert (reader.stats()["prefix_blocks_held"], reader.stats()["prefix_blocks_written"]) == (4, 0)
     assert _stored_copies(writer) == copies

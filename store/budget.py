@@ -1,0 +1,91 @@
+"""Byte budgets: least recently used agents are evicted until the store fits max_bytes, pinned ones never.
+
+Written once for every backend (BlockBackend mixes it in): a backend supplies what it holds
+(`_usage`) and how to remove one agent (`_remove`, atomic on its side).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass
+
+from store.base import Stats, log
+
+BUDGET_RESCAN_S = 5.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One stored agent as budget enforcement sees it."""
+
+    handle: str  # what `_remove` takes (a directory key on disk, the agent id in Redis)
+    agent_id: str | None  # None when the manifest is too damaged to name its agent
+    nbytes: int  # its own: the manifest and the blocks no other agent can use
+    last_used: float
+    # (name, bytes) of the shared blocks it uses: counted once however many agents use them,
+    # freed with their last user.
+    shared: tuple[tuple[str, int], ...] = ()
+    pinned: bool = False  # never evicted
+
+
+class ByteBudget(ABC):
+    """The agents' byte budget of a store (`max_bytes`; None: none)."""
+
+    kind: str
+    max_bytes: int | None
+    _stats: Stats
+    _estimated_bytes: int = 0
+    _last_scan: float = -float("inf")
+
+    @abstractmethod
+    def _usage(self) -> list[Usage]:
+        """Everything this store holds, one entry per agent (for budget enforcement)."""
+
+    @abstractmethod
+    def _remove(self, handle: str) -> bool:
+        """Delete one agent's cache by its usage handle; False if it was already gone."""
+
+    def _after_put(self, handle: str, nbytes: int) -> None:
+        """Evict if the store may be over budget (a full scan at most every few seconds otherwise)."""
+        if self.max_bytes is None:
+            return
+        self._estimated_bytes += nbytes
+        stale = time.monotonic() - self._last_scan > BUDGET_RESCAN_S
+        if stale or self._estimated_bytes > self.max_bytes:
+            self.enforce_budget(keep=handle)
+
+    def enforce_budget(self, keep: str | None = None) -> int:
+        """Evict least-recently-used agents (never `keep`, never a pinned one) until the store fits
+        max_bytes; pinned agents still count, so a store of pinned agents may stay over it."""
+        if self.max_bytes is None:
+            return 0
+        entries = sorted(self._usage(), key=lambda entry: entry.last_used)
+        users = Counter(name for entry in entries for name, _ in entry.shared)
+        shared_bytes = {name: nbytes for entry in entries for name, nbytes in entry.shared}
+        total = sum(entry.nbytes for entry in entries) + sum(shared_bytes.values())
+        evicted = 0
+        for entry in entries:
+            if total <= self.max_bytes:
+                break
+            if entry.handle == keep or entry.pinned:
+                continue
+            users.subtract(name for name, _ in entry.shared)
+            freed = entry.nbytes + sum(nbytes for name, nbytes in entry.shared if users[name] == 0)
+            if self._remove(entry.handle):
+                evicted += 1
+                self._stats.add("evictions")
+                self._stats.add("evicted_bytes", freed)
+                log.info(
+                    "%s: evicted agent %r (%d bytes, last used %.0f s ago) to stay under %d bytes",
+                    self.kind,
+                    entry.agent_id,
+                    freed,
+                    time.time() - entry.last_used,
+                    self.max_bytes,
+                )
+            total -= freed
+        self._estimated_bytes = total
+        self._last_scan = time.monotonic()
+        return evicted
