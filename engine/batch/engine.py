@@ -102,7 +102,7 @@ class BlockPoolBatchEngine:
         finished blocks quantized (engine/kv/quantized.py), and the pool's budget counts
         quantized bytes; the ragged batch only (ValueError elsewhere).
 
-        `speculation` (None: the KVRQ_SPECULATION switch, off unless set on) lets decoding rows
+        `speculation` (None: the KVRQ_SPECULATION switch, on unless set off) lets decoding rows
         verify prompt-lookup drafts where it pays (engine/batch/speculation.py); ragged batch only."""
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
@@ -166,10 +166,8 @@ class BlockPoolBatchEngine:
             self._backend = MlxBatchBackend(model, max_batch=max_batch, prefill_step_size=prefill_step_size)
         self.ragged = use_ragged
         if speculation is None:
-            # Off unless asked for: through the worker, a drafted row can write a repeated tool call and
-            # its max_tokens in one step, and the answer then ends `length` where a plain row's ends
-            # `tool_calls` (tests/worker/test_integration_tools.py); on by default once that holds.
-            speculation = switch("KVRQ_SPECULATION", default=False)
+            # On unless switched off: the policy drafts only where the learnt step cost says it pays.
+            speculation = switch("KVRQ_SPECULATION", default=True)
         self.speculation: Speculation | None = None
         if speculation and isinstance(self._backend, RaggedBackend) and not self._backend.generator.latent:
             self.speculation = self._backend.generator.speculation = Speculation()

@@ -195,10 +195,10 @@ def test_rows_with_logits_processors_and_sliding_window_models_run_plainly(model
         sliding.close()
 
 
-def test_speculation_is_off_unless_switched_on(model: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_speculation_is_on_unless_switched_off(model: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVRQ_SPECULATION", raising=False)
     default = BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny", pool_blocks=16)
-    assert default.speculation is None
+    assert default.speculation is not None
     default.close()
     monkeypatch.setenv("KVRQ_SPECULATION", "0")
     off = BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny", pool_blocks=16)
