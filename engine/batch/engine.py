@@ -48,6 +48,10 @@ from engine.models.cache_layout import spec_from_model
 
 DEFAULT_POOL_MB = 2048
 DEFAULT_CONTEXT = 8192
+#: KVRQ_SPECULATION's default. The policy drafts only where the learnt step cost says it pays, but
+#: through the worker a drafted row that repeats a tool call and reaches max_tokens in one step ends
+#: `length` instead of `tool_calls` (worker/, being fixed there): True once that holds.
+SPECULATION_DEFAULT = False
 
 
 @dataclass
@@ -102,7 +106,7 @@ class BlockPoolBatchEngine:
         finished blocks quantized (engine/kv/quantized.py), and the pool's budget counts
         quantized bytes; the ragged batch only (ValueError elsewhere).
 
-        `speculation` (None: the KVRQ_SPECULATION switch, on unless set off) lets decoding rows
+        `speculation` (None: the KVRQ_SPECULATION switch, SPECULATION_DEFAULT unless set) lets decoding rows
         verify prompt-lookup drafts where it pays (engine/batch/speculation.py); ragged batch only."""
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
@@ -166,8 +170,7 @@ class BlockPoolBatchEngine:
             self._backend = MlxBatchBackend(model, max_batch=max_batch, prefill_step_size=prefill_step_size)
         self.ragged = use_ragged
         if speculation is None:
-            # On unless switched off: the policy drafts only where the learnt step cost says it pays.
-            speculation = switch("KVRQ_SPECULATION", default=True)
+            speculation = switch("KVRQ_SPECULATION", default=SPECULATION_DEFAULT)
         self.speculation: Speculation | None = None
         if speculation and isinstance(self._backend, RaggedBackend) and not self._backend.generator.latent:
             self.speculation = self._backend.generator.speculation = Speculation()

@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from engine.batch.engine import BlockPoolBatchEngine
+from engine.batch.engine import SPECULATION_DEFAULT, BlockPoolBatchEngine
 from engine.batch.speculation import NgramIndex, RowSpeculation, SampledDraws, Speculation, accept_greedy
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
@@ -195,10 +195,10 @@ def test_rows_with_logits_processors_and_sliding_window_models_run_plainly(model
         sliding.close()
 
 
-def test_speculation_is_on_unless_switched_off(model: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_speculation_follows_its_switch_and_default(model: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVRQ_SPECULATION", raising=False)
     default = BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny", pool_blocks=16)
-    assert default.speculation is not None
+    assert (default.speculation is not None) == SPECULATION_DEFAULT
     default.close()
     monkeypatch.setenv("KVRQ_SPECULATION", "0")
     off = BlockPoolBatchEngine(model, ByteTokenizer(), model_name="tiny", pool_blocks=16)
