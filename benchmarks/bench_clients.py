@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pytest  # noqa: E402 - drivers skip through pytest when a client is not installed
 
 from benchmarks.bench_agent_loops import SCHEDULED, vllm_mlx_side  # noqa: E402
+from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 from tests.clients import drivers  # noqa: E402
 from tests.clients.models import write_ok_model  # noqa: E402
 from tests.clients.proxy import Exchange, RecordingProxy  # noqa: E402
@@ -324,6 +325,7 @@ def _turn(fields: dict[str, Any]) -> Turn:
 
 
 def main() -> None:
+    ensure_fast_blas(sys.argv)  # the builtin's export check runs the engine in this process
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
