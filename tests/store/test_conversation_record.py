@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from store.backend import BlockBackend
-from store.disk import MANIFEST, DiskStore
+from store.disk import DiskStore
 from store.redis_store import RedisStore
 from tests.store.conftest import make_cache, tiny_spec, tokens
+from tests.store.test_corruption import Raw
 
 RECORD = b'{"messages": [{"role": "user", "content": "hi"}]}'
 
@@ -52,13 +53,16 @@ def test_a_put_replaces_the_conversation_with_its_own(store: BlockBackend) -> No
     assert loaded is not None and loaded.conversation == b"two" and loaded.n_tokens == 40
 
 
-def test_a_flipped_conversation_byte_is_a_counted_miss(tmp_path: Path) -> None:
-    store = DiskStore(tmp_path / "store", tiny_spec())
+def test_a_flipped_conversation_byte_is_a_counted_miss(
+    backend_factory: Callable[..., DiskStore | RedisStore],
+) -> None:
+    store = backend_factory(tiny_spec())
     store.put("agent", dataclasses.replace(make_cache(tiny_spec(), tokens(40)), conversation=RECORD))
-    path = store._agent_dir("agent") / MANIFEST
-    blob = bytearray(path.read_bytes())
+    raw = Raw(store, "agent")
+    where = raw.manifest_location()
+    blob = bytearray(raw.read(where))
     at = bytes(blob).rindex(b"hi")
     blob[at] ^= 0x01
-    path.write_bytes(bytes(blob))
+    raw.write(where, bytes(blob))
     assert store.get("agent") is None
     assert store.stats()["miss_bad_manifest"] == 1

@@ -8,7 +8,7 @@ measured (benchmarks/bench_store.py reports their agreement) and must still resu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +114,9 @@ def test_resume_from_every_backend(
 
 
 def test_edited_conversation_reuses_only_the_common_prefix(
-    engine: BlockPoolBatchEngine, conversation: dict[str, Any], tmp_path: Path
+    engine: BlockPoolBatchEngine, conversation: dict[str, Any], backend_factory: Callable[..., BlockBackend]
 ) -> None:
-    store: BlockBackend = DiskStore(tmp_path / "s", engine.spec)
+    store = backend_factory(engine.spec)
     turn1: Completion = conversation["turn1"]
     assert turn1.cache is not None
     store.put("agent", turn1.cache)
