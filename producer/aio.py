@@ -51,6 +51,8 @@ from producer.wire.redis_url_aio import connect_async, retry_unsent_async, wait_
 
 logger = logging.getLogger("kvrq.producer")
 
+#: Connections of an AsyncProducer's own pool (redis-py's default).
+DEFAULT_MAX_CONNECTIONS = 100
 POLL_S = 1.0  # as client.POLL_S: a result or an event wakes a wait at once; the poll catches the rest
 STREAM_FAILURE_WAIT_S = 2.0
 OnWait = Callable[[], object]
@@ -293,11 +295,14 @@ class AsyncProducer:
         default_job_timeout: int = DEFAULT_JOB_TIMEOUT,
         affinity: bool = True,
         tenant: str | Tenant | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
+        """`max_connections` (with a redis_url): the waits open at once, each holding a connection while it
+        blocks; a further one waits for a free connection (a Sentinel URL's pool refuses it instead)."""
         if connection is None:
             if redis_url is None:
                 raise ValueError("give redis_url or connection")
-            connection = connect_async(redis_url)
+            connection = connect_async(redis_url, wait_for_connection=True, max_connections=max_connections)
             blocking = blocking or connect(redis_url)
         self.connection = connection
         self.blocking = blocking

@@ -54,6 +54,9 @@ AGENT_HEADER = "x-kvrq-agent"
 STRICT_MAX_TOKENS_ENV = "KVRQ_STRICT_MAX_TOKENS"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+#: Waits on jobs the server keeps open at once (each holds a Redis connection while it blocks, about a
+#: second at a time); a request beyond them waits for a connection to come free.
+DEFAULT_MAX_WAITS = 512
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class ServeSettings:
     api_keys: tuple[str, ...] = ()
     #: (key, tenant) for the keys an operator named a tenant for; any other key is a tenant of its own.
     key_tenants: tuple[tuple[str, str], ...] = ()
+    max_waits: int = DEFAULT_MAX_WAITS
     #: Cut a max_tokens beyond what the context leaves to what it leaves (clients send 32,000 to a
     #: local model's 8K context); False (KVRQ_STRICT_MAX_TOKENS=1) answers those 400 instead.
     fit_max_tokens: bool = field(default_factory=lambda: os.environ.get(STRICT_MAX_TOKENS_ENV) != "1")
@@ -79,7 +83,10 @@ def create_app(
     if (connection is None) != (aio_connection is None):
         raise ValueError("give both connection and aio_connection, or neither")
     if connection is None or aio_connection is None:
-        connection, aio_connection = connect(settings.redis_url), connect_async(settings.redis_url)
+        connection = connect(settings.redis_url)
+        aio_connection = connect_async(
+            settings.redis_url, wait_for_connection=True, max_connections=settings.max_waits
+        )
     bridge = Bridge(AsyncProducer(connection=aio_connection, blocking=connection), connection)
     directory = PoolDirectory(connection)
 

@@ -15,7 +15,13 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
-from redis.asyncio.connection import Connection, ConnectionPool, SSLConnection, parse_url
+from redis.asyncio.connection import (
+    BlockingConnectionPool,
+    Connection,
+    ConnectionPool,
+    SSLConnection,
+    parse_url,
+)
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -39,17 +45,22 @@ from producer.wire.redis_url import (
 T = TypeVar("T")
 
 
-def connect_async(url: str, **pool_options: Any) -> Redis:
-    """An asyncio client for `url` (the forms of redis_url.connect); a malformed URL is a RedisURLError."""
+def connect_async(url: str, *, wait_for_connection: bool = False, **pool_options: Any) -> Redis:
+    """An asyncio client for `url` (the forms of redis_url.connect); a malformed URL is a RedisURLError.
+
+    `wait_for_connection`: a command that finds all `max_connections` in use waits for one to come back
+    (redis.asyncio's BlockingConnectionPool) instead of failing with "Too many connections": what a
+    server whose every open wait holds a connection wants. Plain URLs only (a Sentinel pool fails).
+    """
     try:
-        return _client(url, pool_options)
+        return _client(url, pool_options, wait_for_connection)
     except RedisURLError:
         raise
     except ValueError as exc:
         raise RedisURLError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
 
 
-def _client(url: str, pool_options: dict[str, Any]) -> Redis:
+def _client(url: str, pool_options: dict[str, Any], wait_for_connection: bool) -> Redis:
     if is_sentinel_url(url):
         target = parse_sentinel_url(url)
         options, sentinel_options = sentinel_options_of(target, pool_options)
@@ -76,6 +87,9 @@ def _client(url: str, pool_options: dict[str, Any]) -> Redis:
     options = {**pool_options}
     if connection_class in plain and "connection_class" not in options:
         options["connection_class"] = plain[connection_class]
+    if wait_for_connection:
+        options.setdefault("timeout", None)  # as long as it takes: the caller's own timeout bounds it
+        return Redis(connection_pool=BlockingConnectionPool.from_url(url, **options))
     return Redis(connection_pool=ConnectionPool.from_url(url, **options))
 
 

@@ -1,0 +1,35 @@
+"""connect_async: redis_url.connect's URL rule for asyncio clients, and a pool that waits for a connection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from producer.wire.redis_url import RedisURLError
+from producer.wire.redis_url_aio import AsyncFailoverConnection, connect_async
+
+pytestmark = pytest.mark.integration
+
+
+def test_bad_urls_are_refused_as_connect_refuses_them() -> None:
+    for url in ("http://x", "redis://127.0.0.1:0/0", "redis+sentinel:///m"):
+        with pytest.raises(RedisURLError):
+            connect_async(url)
+
+
+def test_a_waiting_pool_lends_its_connections_in_turn(redis_url: str) -> None:
+    """Two blocking reads on a pool of one: the second waits for the connection (a plain pool refuses)."""
+
+    async def two_reads(wait: bool) -> list[object]:
+        client = connect_async(redis_url, wait_for_connection=wait, max_connections=1)
+        assert client.connection_pool.connection_class is AsyncFailoverConnection
+        try:
+            reads = [client.xread({"nothing": "0-0"}, block=200) for _ in range(2)]
+            return list(await asyncio.gather(*reads, return_exceptions=True))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(two_reads(True)) == [[], []]
+    refused = asyncio.run(two_reads(False))
+    assert any("Too many connections" in str(outcome) for outcome in refused)
