@@ -76,6 +76,7 @@ from store.redis_keys import (
     share_of,
     split_parts,
 )
+from store.redis_pins import PinnedKeys
 from store.redis_shared import PREFIX_HOLDER, SharedBlocks
 from store.replication import (
     UNREPLICATED_HOLD_S,
@@ -157,6 +158,7 @@ class RedisStore(BlockBackend):
             self._owns_client = False
         self.keys = RedisKeys(prefix)
         self.shared_blocks = SharedBlocks(self._client, self.keys, self._stats, ttl_s)
+        self.pins = PinnedKeys(self._client, self.keys, ttl_s)
         self.failover_budget_s = FAILOVER_BUDGET_S  # how long a replicated put rides a failover
         self._failing = False  # the last replicated put spent its budget: one try each until one succeeds
         self._unreplicated_until = 0.0  # monotonic: until then puts skip the replicas' confirmation
@@ -242,93 +244,19 @@ class RedisStore(BlockBackend):
                 fetched.append((blob, crc32(blob)))
         return fetched
 
+    # --- pins and TTLs (store/redis_pins.py) ----------------------------------------------------
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
-        if self.ttl_s is not None and self._client.scard(self.keys.pinned):
-            self._client.zadd(self.keys.index, {agent_id: time.time()}, xx=True)
-            blocks = [(ref.name, ref.nbytes) for ref in manifest.blocks]
-            self._hold_pinned(agent_id, blocks, manifest.part_bytes, slide=True)
-            return
-        pipe = self._client.pipeline(transaction=False)
-        pipe.zadd(self.keys.index, {agent_id: time.time()}, xx=True)
-        if self.ttl_s is not None:  # sliding expiry: the whole cache lives ttl_s past its last use
-            pipe.expire(self.keys.manifest(agent_id), self.ttl_s)
-            for key in self.keys.of_refs(agent_id, manifest.blocks, manifest.part_bytes):
-                pipe.expire(key, self.ttl_s)
-            for ref in manifest.blocks:  # a shared block lives ttl_s past its last use by any agent
-                parsed = parse_shared_name(ref.name)
-                if parsed is not None:
-                    pipe.expire(self.keys.refs(ref.name), self.ttl_s)
-                    pipe.expire(self.keys.pointer(parsed[0]), self.ttl_s)
-        pipe.execute()
-
-    def _hold_pinned(
-        self, agent_id: str | None, blocks: Sequence[tuple[str, int]], part_bytes: int, *, slide: bool = False
-    ) -> None:
-        """With a TTL and pinned agents: the keys a pinned agent needs (its own, and the shared blocks
-        it uses, whoever touches them) lose their expiry; with `slide` the others get ttl_s again.
-        `agent_id` None: only shared blocks (held for anonymous prefixes)."""
-        assert self.ttl_s is not None
-        pinned = {as_text(member) for member in self._client.smembers(self.keys.pinned)}
-        shared = [(name, nbytes) for name, nbytes in blocks if parse_shared_name(name) is not None]
-        pipe = self._client.pipeline(transaction=False)
-        for name, _ in shared:
-            pipe.smembers(self.keys.refs(name))
-        users = pipe.execute()
-        held = agent_id in pinned
-        groups: builtins.list[tuple[builtins.list[str], bool]] = []
-        if agent_id is not None:
-            own = [self.keys.manifest(agent_id)]
-            for name, nbytes in blocks:
-                if parse_shared_name(name) is None:
-                    own += self.keys.parts(agent_id, name, nbytes, part_bytes)
-            groups.append((own, held))
-        for (name, nbytes), refs in zip(shared, users, strict=True):
-            keys = [*self.keys.parts("", name, nbytes, part_bytes), self.keys.refs(name)]
-            keys.append(self.keys.pointer(share_of(name)))
-            groups.append((keys, held or bool(pinned & {as_text(user) for user in refs})))
-        pipe = self._client.pipeline(transaction=False)
-        for keys, keep in groups:
-            for key in keys:
-                if keep:
-                    pipe.persist(key)
-                elif slide:
-                    pipe.expire(key, self.ttl_s)
-        pipe.execute()
-
-    def _stored_refs(self, agent_id: str) -> tuple[builtins.list[tuple[str, int]], int] | None:
-        """(block name, bytes) of the agent's stored cache and its part size; no model needed."""
-        blob = as_blob(self._client.get(self.keys.manifest(agent_id)))
-        if blob is None:
-            return None
-        try:
-            summary = summarize_manifest(blob)
-        except BadCacheError:
-            return None
-        return list(summary.blocks), summary.part_bytes
+        self.pins.touch(agent_id, manifest)
 
     def _after_put(self, handle: str, nbytes: int) -> None:
-        if self.ttl_s is not None and self._client.scard(self.keys.pinned):
-            stored = self._stored_refs(handle)  # the commit gave every key ttl_s
-            if stored is not None:
-                self._hold_pinned(handle, *stored)
+        self.pins.hold_if_pinned(handle)  # the commit gave every key ttl_s
         super()._after_put(handle, nbytes)
 
     def _pin(self, agent_id: str) -> bool:
-        stored = self._stored_refs(agent_id)
-        if stored is None:
-            return False
-        self._client.sadd(self.keys.pinned, agent_id)
-        if self.ttl_s is not None:
-            self._hold_pinned(agent_id, *stored)
-        return True
+        return self.pins.pin(agent_id)
 
     def _unpin(self, agent_id: str) -> bool:
-        if not self._client.srem(self.keys.pinned, agent_id):
-            return False
-        stored = self._stored_refs(agent_id)
-        if stored is not None and self.ttl_s is not None:
-            self._hold_pinned(agent_id, *stored, slide=True)  # its keys expire ttl_s from now
-        return True
+        return self.pins.unpin(agent_id)
 
     # --- writes --------------------------------------------------------------------------------
     def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
@@ -642,8 +570,7 @@ class RedisStore(BlockBackend):
                     tx.execute()
                 except WatchError:
                     continue
-            if self.ttl_s is not None and self._client.scard(self.keys.pinned):
-                self._hold_pinned(None, [(name, nbytes) for name, nbytes, _ in blocks], self.part_bytes)
+            self.pins.hold_shared([(name, nbytes) for name, nbytes, _ in blocks], self.part_bytes)
             written = sum(encoded[i].nbytes for i in encoded)
             return PrefixWrite(held=len(shares) - len(encoded), written=len(encoded), bytes_written=written)
         raise StoreError(f"put_prefix of {len(shares)} blocks kept losing races with other writers")
@@ -682,8 +609,7 @@ class RedisStore(BlockBackend):
                 pipe.expire(self.keys.refs(name), self.ttl_s)
                 pipe.expire(self.keys.pointer(share_of(name)), self.ttl_s)
         pipe.execute()
-        if self.ttl_s is not None and self._client.scard(self.keys.pinned):
-            self._hold_pinned(None, blocks, self.part_bytes)
+        self.pins.hold_shared(blocks, self.part_bytes)
 
     def _prefix_entries(self) -> builtins.list[PrefixEntry]:
         members: Any = self._client.zrange(self.keys.prefixes, 0, -1, withscores=True)
