@@ -14,7 +14,8 @@ run on the 32K-context test model and opencode on the 8K one (tests/clients/mode
 and the Agents SDK on the builtin SmolLM2, exported once to an mlx-lm folder (float32, as
 bench_agents.py writes it). Every server serves the same folder: kvrq (redis-server, a real
 `kvrq worker`, `kvrq serve`), vllm-mlx 0.6 and Rapid-MLX 0.16 (each from its own venv, OpenBLAS
-preloaded with one thread, as docs/platform.md runs them), one server and one session at a time.
+preloaded with one thread: docs/platform.md measured mlx_lm.server 6-15x faster so), one server and one
+session at a time. benchmarks/README.md (Client sessions) has the peers' install commands.
 
 Every server sits behind the same recording proxy (tests/clients/proxy.py), so the columns mean the
 same for all three: `prompt` and `cached` are what the server's own usage reports (chat
@@ -124,7 +125,7 @@ class PeerStack(ClientStack):
 
 @contextmanager
 def rapid_mlx_side(executable: str, folder: Path, workdir: Path) -> Iterator[Any]:
-    """Rapid-MLX serving `folder` with its defaults (prefix cache on), as docs/platform.md runs it."""
+    """Rapid-MLX serving `folder` with its defaults (prefix cache on), OpenBLAS preloaded, one thread."""
     from benchmarks.bench_agent_loops import Server, _stop
     from benchmarks.bench_agents import wait_ready
     from engine.cpu.blas import blas_preload_env
