@@ -40,9 +40,10 @@ HOT_HITS_FIELD = "kvrq_hot_hits"
 CACHE_HITS_FIELD = "kvrq_cache_hits"
 PROMPT_TOKENS_FIELD = "kvrq_prompt_tokens"
 REUSED_TOKENS_FIELD = "kvrq_reused_tokens"
-#: JSON object of MB by kind: the worker's resident set and what its engine and store hold (worker/memory.py).
+#: JSON object of MB by kind: the worker's resident set and what its engine and store hold
+#: (worker/fleet/memory.py).
 MEMORY_FIELD = "kvrq_memory_mb"
-#: JSON object of the worker's per-job latency histograms since it started (worker/latency.py):
+#: JSON object of the worker's per-job latency histograms since it started (worker/fleet/latency.py):
 #: {name: {"bounds": [upper bounds], "counts": [jobs per bucket, the last one +Inf]}}.
 LATENCY_FIELD = "kvrq_latency"
 #: job.meta key of a failed job's structured error: {"code": ErrorCode value, "message": one line}.
