@@ -44,6 +44,9 @@ class HeldJob:
     cache_load_s: float = 0.0  # store time left on the critical path at admission (~0: prefetched)
     cache_hit: bool | None = None  # an agent's job entered the engine with (True) or without its saved cache
     generated: int = 0
+    #: The answer ended with the call this many tokens in (a repeated call): a drafted step may have
+    #: written past it, and those tokens are not the answer's.
+    answer_tokens: int | None = None
     progress_at: float = 0.0  # monotonic time of the last progress write
     cancel_requested: bool = False
     stop_requested: bool = False  # rq's stop-job command, without the producer's cancel flag

@@ -7,6 +7,7 @@ the one ending path (worker/loop/endings.py) stays the only writer of outcomes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import traceback
@@ -25,7 +26,7 @@ from worker.requests.logprobs import LogprobFormatter
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from engine.core.results import StepOutput
+    from engine.core.results import Completion, StepOutput
     from worker.requests.output_split import Piece
 
 log = logging.getLogger("kvrq.worker")
@@ -82,14 +83,19 @@ class Stepper:
         yield from self.absorb(output)
 
     def absorb(self, output: StepOutput) -> Iterator[Ending]:
-        """Each row's tokens to its stream; the rows that completed (or repeated a tool call) end."""
+        """Each row's tokens to its stream; the rows that completed (or repeated a tool call) end.
+
+        A row that repeats a call ends there, as a call (finish "stop", read as tool_calls): where a
+        drafted step wrote several of its tokens at once, those after the repeat are dropped, even when
+        the engine ended the row in the same step (on its max_tokens: the answer still ends as a call)."""
         mono = time.monotonic()
         repeating: list[HeldJob] = []
         for delta in output.deltas:
             held = self.scheduler.by_uid(delta.uid)
-            if held is None:
+            if held is None or held.answer_tokens is not None:
                 continue
             held.generated += 1
+            self.counts["tokens"] += 1
             if held.generated == 1:
                 held.timeline.update(
                     step_started=self.clock.started,
@@ -99,6 +105,7 @@ class Stepper:
                 mark(held, "first_token", self.clock.count)
             text = delta.text if held.output is None else self._split(held, held.output.feed(delta.text))
             if held.output is not None and held.output.repeated_call:
+                held.answer_tokens = held.generated  # the answer ends with this token
                 repeating.append(held)  # only rows that wrote this step can have just repeated a call
             self.publisher.delta(held.id, text, delta.token)
             if delta.logprobs is not None:
@@ -108,16 +115,18 @@ class Stepper:
                 held.progress_at = mono
                 timeline = {"timeline": held.timeline} if held.generated == 1 else {}
                 self.publisher.progress(held.job, generated_tokens=held.generated, **timeline)
-        self.counts["tokens"] += len(output.deltas)
         completions = list(output.completions)
+        ended = {completion.uid for completion in completions}
         for held in repeating:
             assert held.output is not None and held.uid is not None
             held.output.repeated_call = False  # asked once: its completion comes now or with a step
-            if (ended := self.engine.finish(held.uid)) is not None:
-                completions.append(ended)
+            if held.uid not in ended and (completion := self.engine.finish(held.uid)) is not None:
+                completions.append(completion)
         for completion in completions:
             held = self.scheduler.by_uid(completion.uid)
             if held is not None:
+                if held.answer_tokens is not None:
+                    completion = answer_ended_at(completion, held.answer_tokens)
                 if held.output is not None and (rest := self._split(held, held.output.finish())):
                     self.publisher.delta(held.id, rest, None)
                 yield held, Finished(completion)
@@ -133,3 +142,18 @@ class Stepper:
             else:
                 text.append(piece.text)
         return "".join(text)
+
+
+def answer_ended_at(completion: Completion, tokens: int) -> Completion:
+    """`completion` cut to its first `tokens` generated tokens, ended as an answer that stopped there.
+
+    Its cache keeps every token the engine wrote: the next turn resumes from what it shares with it."""
+    kept = completion.token_ids[:tokens]
+    dropped = len(completion.token_ids) - len(kept)
+    usage = dataclasses.replace(
+        completion.usage, generated_tokens=completion.usage.generated_tokens - dropped
+    )
+    logprobs = None if completion.logprobs is None else completion.logprobs[:tokens]
+    return dataclasses.replace(
+        completion, token_ids=kept, finish_reason="stop", usage=usage, logprobs=logprobs
+    )
