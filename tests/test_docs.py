@@ -143,7 +143,8 @@ def test_every_kvrq_command_and_flag_the_docs_name_exists() -> None:
 
 
 def _read_env_vars() -> set[str]:
-    """KVRQ_* names the code reads: literally, or as WorkerSettings' KVRQ_<FIELD>."""
+    """KVRQ_* names the code reads: as a string literal ("KVRQ_X", a shell's ${KVRQ_X}), or as
+    WorkerSettings' KVRQ_<FIELD>; a name only in a comment or docstring does not count."""
     sources = [
         *(
             path
@@ -154,8 +155,10 @@ def _read_env_vars() -> set[str]:
         *(ROOT / ".ci").iterdir(),
         ROOT / "Procfile",
     ]
-    literal = {name for path in sources for name in re.findall(r"KVRQ_[A-Z0-9_]*[A-Z0-9]", path.read_text())}
-    return literal | {f"KVRQ_{field.upper()}" for field in WorkerSettings.model_fields}
+    name = r"KVRQ_[A-Z0-9_]*[A-Z0-9]"
+    pattern = re.compile(rf"[\"']({name})[\"']|\$\{{?({name})")
+    read = {quoted or expanded for path in sources for quoted, expanded in pattern.findall(path.read_text())}
+    return read | {f"KVRQ_{field.upper()}" for field in WorkerSettings.model_fields}
 
 
 def test_every_kvrq_env_var_the_docs_name_is_read_by_the_code() -> None:
