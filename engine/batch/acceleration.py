@@ -45,6 +45,11 @@ def step_shortcuts(tokens: int, scores: int) -> StepShortcuts:
     return None if _door is None else _door.step_shortcuts(tokens, scores)
 
 
+def fused(shortcuts: StepShortcuts) -> StepShortcuts:
+    """`shortcuts` without the split (a sync per layer): MLX's fused calls, the padding kept."""
+    return None if shortcuts is None else shortcuts.fused()
+
+
 def padded_rows(rows: int, shortcuts: StepShortcuts) -> int:
     """The row count a step of `rows` rows runs as (at least `rows`)."""
     return rows if _door is None else int(_door.padded_rows(rows, shortcuts.pad_rows))

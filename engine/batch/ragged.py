@@ -50,6 +50,7 @@ from engine.batch.attention import AttentionCall, QuantizedCall, fused_attention
 from engine.batch.sampling import Sampler, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 from engine.batch.speculation import RowSpeculation, Speculation, accept_greedy
+from engine.batch.split_choice import Key, SplitChoice
 from engine.batch.state_rows import FlatCacheList, FlatStateCache, route_state_mixers
 from engine.batch.step_cost import StepCost
 from engine.core.params import LogitsProcessor
@@ -481,6 +482,9 @@ class RaggedBatchGenerator:
         self._next_uid = 0
         self.cost = StepCost()  # bounds the finishing rows a step carries (engine/batch/step_cost.py)
         self.speculation: Speculation | None = None  # drafting policy, where the engine turns it on
+        # Per decode step shape, the CPU shortcuts' split or MLX's fused calls (engine/batch/split_choice.py).
+        self.split_choice = SplitChoice()
+        self._split_step: tuple[Key, bool] | None = None
 
     def insert(
         self,
@@ -553,6 +557,8 @@ class RaggedBatchGenerator:
         start = time.perf_counter()
         sampled, logprobs = self._forward(runs)
         stats.forward_s = time.perf_counter() - start
+        if self._split_step is not None:
+            self.split_choice.record(*self._split_step, stats.forward_s)
         out = []
         for row, n in runs:
             fed = row.pending[:n]
@@ -701,6 +707,11 @@ class RaggedBatchGenerator:
             positions.extend(range(row.length, row.length + n))
         scores = sum(n * (row.length + n) for row, n in runs)
         shortcuts = acceleration.step_shortcuts(len(tokens), scores)
+        self._split_step = None
+        if all(n == 1 and row.decoding for row, n in runs):  # a plain decode step: SplitChoice's
+            key = (len(tokens), scores.bit_length())
+            shortcuts, split = self.split_choice.pick(key, shortcuts, acceleration.fused(shortcuts))
+            self._split_step = None if split is None else (key, split)
         padding = acceleration.padded_rows(len(tokens), shortcuts) - len(tokens)
         tokens += [0] * padding
         positions += [0] * padding

@@ -39,8 +39,12 @@ class CpuShortcuts:
         (1 row over 100 keys: steps 0.91x as long; over 1200 keys: even; 4 short rows decoding
         with the shortcuts: 0.76x raw mlx-lm's throughput, the syncs' cost, issue 43)."""
         if tokens < SMALL_STEP_TOKENS and scores < SMALL_STEP_SCORES:
-            return replace(self, numpy_exp=False, native_attention=False)
+            return self.fused()
         return self
+
+    def fused(self) -> CpuShortcuts:
+        """These shortcuts without the split (numpy's exp, the C attention): MLX's fused calls."""
+        return replace(self, numpy_exp=False, native_attention=False)
 
     def describe(self) -> str:
         on = [name for name in ("numpy_exp", "pad_rows", "native_attention") if getattr(self, name)]
