@@ -4,9 +4,9 @@ learnt from the steps themselves.
 
 Why: which wins depends on the machine and its load. On the quiet 2-core dev machine the split won
 from 8 rows up (the fixed thresholds in engine/cpu/shortcuts.py); beside other work each sync waits
-for both cores to be scheduled again, and 16 short rows decoding took 5-17% more CPU time per token
-with the split than fused (issue 43, 2026-11-27, load 8-13), with raw mlx-lm's BatchGenerator (one
-sync a step) ahead. A fixed threshold is right for one of the two. So the split stays the default
+for both cores to be scheduled again, and 16 short rows decoding took 6-23% more CPU time per token
+with the split than fused (5 of 5 rounds; issue 43, 2026-11-27, load 8-13; wall time: either way).
+A fixed threshold is right for one of the two. So the split stays the default
 where the thresholds say so; after EXPLORE_AFTER decode steps of a shape, fused steps are tried
 (every other step until both have MIN_SAMPLES), then the faster median runs and the other is re-tried
 one step in EXPLORE_EVERY. Only decode steps without drafts or prompt tokens are timed or switched:
