@@ -62,8 +62,10 @@ MIN_GAIN = 1.05
 #: A row that drafted stays out of the ShortSlots this many steps: a drafted row leaves them (its 1 + k
 #: tokens run like a prefill chunk) and moving in and out every other step costs two copies of its K/V.
 SLOT_REENTRY_STEPS = 8
-#: Step times kept per estimate; the estimate is their median (robust to a step a neighbour slowed).
+#: Step times kept per estimate; the estimate is their median (robust to a step a neighbour slowed),
+#: taken as founded from MIN_SAMPLES of them.
 SAMPLES = 9
+MIN_SAMPLES = 3
 
 
 class SpeculatedStep(Protocol):
@@ -217,25 +219,33 @@ class StepTimes:
     def estimate(self, tokens: int, drafted: bool) -> tuple[float, bool] | None:
         """A step of `tokens` query tokens and whether the figure is founded: measured, else
         interpolated between the nearest known counts (a drafted step's own where measured), else
-        extended from the two largest; from the largest alone it is a guess (its cost, optimistic:
-        the step that tries it measures it). None: nothing known."""
+        extended from the two largest (or the largest alone: its cost). Founded: it rests on counts
+        measured MIN_SAMPLES times and is no extension (one step's time on a loaded machine says
+        little, and a guess is tried by one more draft at most). None: nothing known."""
         known = {**self.plain, **self.drafted} if drafted else self.plain
         if tokens in known:
-            return known[tokens], True
+            return known[tokens], self._founded(tokens, drafted)
         below = [t for t in known if t < tokens]
         above = [t for t in known if t > tokens]
         if below and above:
             lo, hi = max(below), min(above)
-            return known[lo] + (known[hi] - known[lo]) * (tokens - lo) / (hi - lo), True
+            value = known[lo] + (known[hi] - known[lo]) * (tokens - lo) / (hi - lo)
+            return value, self._founded(lo, drafted) and self._founded(hi, drafted)
         if above:
-            return known[min(above)], True
+            return known[min(above)], self._founded(min(above), drafted)
         if not below:
             return None
         top = sorted(below)[-2:]
         if len(top) < 2:
             return known[top[0]], False
         slope = max(0.0, (known[top[1]] - known[top[0]]) / (top[1] - top[0]))
-        return known[top[1]] + slope * (tokens - top[1]), True
+        return known[top[1]] + slope * (tokens - top[1]), False
+
+    def _founded(self, tokens: int, drafted: bool) -> bool:
+        """Whether the figure `estimate` reads at `tokens` was measured MIN_SAMPLES times."""
+        own = self._samples.get((drafted, tokens)) if drafted and tokens in self.drafted else None
+        samples = own if own is not None else self._samples.get((False, tokens), ())
+        return len(samples) >= MIN_SAMPLES
 
 
 class Speculation:
@@ -295,7 +305,7 @@ class Speculation:
             if rate > best_rate:
                 best_rate, best = rate, i
             if not founded:
-                break  # a guess: only the smallest step beyond what is known is tried
+                break  # a guess: one draft more than founded figures cover, at most, is tried
         if best:
             self._turned_down, self._probe_every = 0, PROBE_EVERY
             return {uid: draft for _, uid, draft, _ in offers[:best]}

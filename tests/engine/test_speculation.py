@@ -15,7 +15,14 @@ import mlx.core as mx
 import pytest
 
 from engine.batch.engine import SPECULATION_DEFAULT, BlockPoolBatchEngine
-from engine.batch.speculation import NgramIndex, RowSpeculation, SampledDraws, Speculation, accept_greedy
+from engine.batch.speculation import (
+    MIN_SAMPLES,
+    NgramIndex,
+    RowSpeculation,
+    SampledDraws,
+    Speculation,
+    accept_greedy,
+)
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
 from tests.engine.test_ragged import prompt, run_all
@@ -226,15 +233,21 @@ def offer(n_rows: int, acceptance: float = 0.8) -> list[tuple[Any, RowSpeculatio
     ]
 
 
+def measured(speculation: Speculation, tokens: int, drafted: bool, seconds: float) -> None:
+    """A step size timed often enough for the policy to act on it (MIN_SAMPLES)."""
+    for _ in range(MIN_SAMPLES):
+        speculation.times.record(tokens, drafted, seconds)
+
+
 def test_the_policy_drafts_where_the_step_is_cheap_and_not_where_draft_tokens_cost_a_rows_share() -> None:
     speculation = Speculation()
     assert speculation.plan(offer(1), 1, step=1, extra_s=0.0) == {}, "a plain step is measured first"
-    speculation.times.record(1, drafted=False, seconds=0.050)
-    speculation.times.record(16, drafted=False, seconds=0.200)
-    speculation.times.record(5, drafted=True, seconds=0.052)  # memory-bound: 4 drafts cost 4% of a step
+    measured(speculation, 1, False, 0.050)
+    measured(speculation, 16, False, 0.200)
+    measured(speculation, 5, True, 0.052)  # memory-bound: 4 drafts cost 4% of a step
     assert len(speculation.plan(offer(1), 1, step=2, extra_s=0.0)) == 1
     # compute-bound: each draft token costs what a row's share of the step does
-    speculation.times.record(20, drafted=True, seconds=0.250)
+    measured(speculation, 20, True, 0.250)
     assert speculation.plan(offer(16), 16, step=3, extra_s=0.0) == {}
 
 
@@ -242,22 +255,35 @@ def test_the_policy_reads_the_cpus_staircase_of_step_costs() -> None:
     """On the CPU 4 rows run as 16 matmul rows: drafts up to 16 tokens in all cost (almost) nothing
     there, while one row's first draft doubles its step: it pays only with drafts likely accepted."""
     speculation = Speculation()
-    speculation.times.record(4, drafted=False, seconds=0.100)
-    speculation.times.record(16, drafted=True, seconds=0.102)
-    speculation.times.record(20, drafted=True, seconds=0.200)
+    measured(speculation, 4, False, 0.100)
+    measured(speculation, 16, True, 0.102)
+    measured(speculation, 20, True, 0.200)
     assert len(speculation.plan(offer(4, acceptance=0.3), 4, step=1, extra_s=0.0)) == 3, (
         "3 drafts of 4 fit in 16 tokens; the 4th would make a step of 20 (32 matmul rows)"
     )
-    speculation.times.record(1, drafted=False, seconds=0.050)
-    speculation.times.record(5, drafted=True, seconds=0.100)
+    measured(speculation, 1, False, 0.050)
+    measured(speculation, 5, True, 0.100)
     assert len(speculation.plan(offer(1, acceptance=0.8), 1, step=2, extra_s=0.0)) == 1
     assert speculation.plan(offer(1, acceptance=0.3), 1, step=3, extra_s=0.0) == {}
 
 
+def test_a_step_size_measured_once_is_a_guess_a_draft_more_at_most_tries() -> None:
+    """One noisy step must not open the gates: beyond what was timed MIN_SAMPLES times the policy
+    adds one row's draft a step, however cheap the guess looks."""
+    speculation = Speculation()
+    measured(speculation, 16, False, 0.200)
+    assert len(speculation.plan(offer(16), 16, step=1, extra_s=0.0)) == 1, "a step of 20: not timed yet"
+    speculation.times.record(20, drafted=True, seconds=0.150)  # once, and (noisily) cheap
+    assert len(speculation.plan(offer(16), 16, step=2, extra_s=0.0)) == 1
+    speculation.times.record(20, drafted=True, seconds=0.150)
+    speculation.times.record(20, drafted=True, seconds=0.150)
+    assert len(speculation.plan(offer(16), 16, step=3, extra_s=0.0)) == 2, "20 founded: 24 is tried"
+
+
 def test_drafts_the_cost_turns_down_are_probed_less_and_less_often() -> None:
     speculation = Speculation()
-    speculation.times.record(1, drafted=False, seconds=0.050)
-    speculation.times.record(5, drafted=True, seconds=0.200)
+    measured(speculation, 1, False, 0.050)
+    measured(speculation, 5, True, 0.200)
     probes = [step for step in range(1, 60) if speculation.plan(offer(1, acceptance=0.5), 1, step, 0.0)]
     assert probes == [8, 24, 56], "after 8 turned-down steps, then 16, then 32"
 
