@@ -304,8 +304,10 @@ class Speculation:
             rate = (decode_rows + gain) / (cost + extra_s)
             if rate > best_rate:
                 best_rate, best = rate, i
-            if not founded:
-                break  # a guess: one draft more than founded figures cover, at most, is tried
+            if not founded:  # a guess: one draft more than founded figures cover, at most, is tried
+                if i == 1:
+                    best = 1  # and the first offer's size is timed until founded, whatever it says
+                break
         if best:
             self._turned_down, self._probe_every = 0, PROBE_EVERY
             return {uid: draft for _, uid, draft, _ in offers[:best]}

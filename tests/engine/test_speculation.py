@@ -278,6 +278,12 @@ def test_a_step_size_measured_once_is_a_guess_a_draft_more_at_most_tries() -> No
     speculation.times.record(20, drafted=True, seconds=0.150)
     speculation.times.record(20, drafted=True, seconds=0.150)
     assert len(speculation.plan(offer(16), 16, step=3, extra_s=0.0)) == 2, "20 founded: 24 is tried"
+    slow = Speculation()
+    measured(slow, 1, False, 0.050)
+    slow.times.record(5, drafted=True, seconds=0.400)  # one step a neighbour slowed
+    assert len(slow.plan(offer(1), 1, step=1, extra_s=0.0)) == 1, "timed again until founded"
+    measured(slow, 5, True, 0.400)
+    assert slow.plan(offer(1), 1, step=2, extra_s=0.0) == {}
 
 
 def test_drafts_the_cost_turns_down_are_probed_less_and_less_often() -> None:
