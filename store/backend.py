@@ -172,44 +172,45 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
 
     # --- raw storage, supplied by each backend -------------------------------------------------
     @abstractmethod
-    def _read_manifest(self, agent_id: str) -> Blob | None: ...
+    def _read_manifest(self, agent_id: str) -> Blob | None:
+        """get: the agent's manifest as stored, None if absent or expired (the backend's TTL)."""
 
     @abstractmethod
     def _fetch_blocks(
-        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+        self, agent_id: str | None, manifest: Manifest, refs: Sequence[BlockRef]
     ) -> list[tuple[Blob, int] | None]:
-        """Each block's blob with its CRC-32 (computed while the next one is read), None where missing."""
+        """get, many: each block's blob with its CRC-32 (computed while the next one is read), None
+        where missing; `agent_id` None reads the shared area every agent of the namespace finds."""
 
     @abstractmethod
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
-        """Record that the agent was just used (for LRU eviction, TTL and `info`)."""
+        """Record that the agent was just used: its recency for LRU eviction and `info`, and where
+        the backend keeps a TTL, its sliding expiry (a backend primitive: an mtime, an EXPIRE)."""
 
     @abstractmethod
     def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
-        """The agent's manifest as stored, its last use and whether it is pinned; None if absent
-        (or expired)."""
+        """The agent's manifest as stored, its last use and whether it is pinned, read together (one
+        round trip in Redis); None if absent (or expired)."""
 
     @abstractmethod
     def _handle(self, agent_id: str) -> str:
-        """The handle `_remove` and `Usage` know the agent by."""
+        """The handle `_remove` and `Usage` know the agent by (disk: a key that also names a damaged
+        cache whose manifest no longer says its agent)."""
 
-    # --- the rest of CacheStore, per backend --------------------------------------------------------
     @abstractmethod
+    def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
+        """Set or clear the agent's pin mark (and, where keys expire, lift or restore their TTL):
+        pinning is False if the agent has no cache, unpinning False if it was not pinned."""
+
     def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
-        """`put` once its arguments are checked: write the blocks, swap in the manifest (atomically,
-        under the stored fence), release what the replaced manifest alone used."""
-
-    @abstractmethod
-    def _pin(self, agent_id: str) -> bool: ...
-
-    @abstractmethod
-    def _unpin(self, agent_id: str) -> bool: ...
+        """`put` once its arguments are checked (a replicated Redis confirms it on its replicas)."""
+        return self._commit_put(agent_id, cache, fence, namespace) is not None
 
     @abstractmethod
     def list(self) -> builtins.list[str]: ...
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the backend's connections (nothing to release where every put is durable on return)."""
 
     # --- CacheStore, written once over the hooks -------------------------------------------------
     def put(
@@ -231,11 +232,11 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
 
     def pin(self, agent_id: str) -> bool:
         """Keep the agent's cache past the store's budget and TTL; False if there is none to pin."""
-        return self._pin(validate_agent_id(agent_id))
+        return self._set_pinned(validate_agent_id(agent_id), True)
 
     def unpin(self, agent_id: str) -> bool:
         """Let budget and TTL apply to the agent again; False if it was not pinned."""
-        return self._unpin(validate_agent_id(agent_id))
+        return self._set_pinned(validate_agent_id(agent_id), False)
 
     def info(self, agent_id: str) -> CacheInfo | None:
         """What the agent's manifest says (no block is read, no model needed); None if there is no
@@ -344,7 +345,7 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
                 created=0.0,
                 part_bytes=self.part_bytes,
             )
-            fetched = self._fetch_shared(manifest)
+            fetched = self._fetch_blocks(None, manifest, refs)
         except self._io_errors() as exc:
             log.warning("%s: could not read shared blocks for %r: %r", self.kind, label, exc)
             return None
@@ -382,10 +383,6 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         """(name, nbytes, crc32) of each share key's stored version, None where there is none
         (lazily where lookups are one by one: the caller may stop at the first None)."""
 
-    @abstractmethod
-    def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
-        """Like _fetch_blocks, for the shared blocks `manifest` lists (read where all agents find them)."""
-
     def record_miss(self, agent_id: str, reason: str, detail: str) -> None:
         """Count and log a miss found by a layer in front of this backend (the hot tier)."""
         record_miss(self._stats, self.kind, agent_id, reason, detail)
@@ -403,15 +400,11 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         Otherwise the next put would keep referencing (reusing) the damaged blocks.
         """
         try:
-            if self._remove_if_manifest_is(agent_id, bytes(manifest_blob)):
+            if self._remove(self._handle(agent_id), only_if=bytes(manifest_blob)):
                 self._stats.add("discarded")
                 log.warning("%s: deleted the damaged cache of agent %r", self.kind, agent_id)
         except self._io_errors() as exc:
             log.warning("%s: could not delete the damaged cache of agent %r: %r", self.kind, agent_id, exc)
-
-    @abstractmethod
-    def _remove_if_manifest_is(self, agent_id: str, manifest_blob: bytes) -> bool:
-        """Atomically delete the agent's cache if its manifest still holds exactly these bytes."""
 
     def _load(self, agent_id: str, prompt_tokens: Sequence[int] | None, namespace: str) -> AgentCache:
         for _attempt in range(_READ_ATTEMPTS):
@@ -565,8 +558,7 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         for attempts in self._put_attempts():
             if attempts > 1:
                 self._stats.add("put_retries")
-            with self._manifest_guard(agent_id) as guard:
-                current = self._guarded_manifest(guard, agent_id)
+            with self._manifest_guard(agent_id) as (guard, current):
                 # Compared under the guard: a writer that swaps the manifest in meanwhile fails our swap.
                 new_fence = self._fence_for(agent_id, fence, stored_fence(current))
                 if new_fence is None:
@@ -602,17 +594,29 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         return range(1, 2)
 
     @abstractmethod
-    def _manifest_guard(self, agent_id: str) -> AbstractContextManager[Any]:
-        """Guards the agent's manifest from reading it to swapping it (a lock, or an optimistic watch
-        that makes the swap fail if another writer swapped first); yields what the hooks below take."""
+    def _manifest_guard(self, agent_id: str) -> AbstractContextManager[tuple[Any, Blob | None]]:
+        """The compare-and-swap's guard over the agent's manifest, from reading it to swapping it (a
+        lock, or an optimistic WATCH that makes the swap fail if another writer swapped first); yields
+        what the hooks below take and the manifest as stored under it (no TTL check: an expired cache
+        still lends its fence and its blocks)."""
 
-    @abstractmethod
-    def _guarded_manifest(self, guard: Any, agent_id: str) -> Blob | None:
-        """The agent's manifest as stored (no TTL check: an expired cache still lends its fence)."""
-
-    @abstractmethod
     def _reusable(self, guard: Any, agent_id: str, current: Blob | None) -> Manifest | None:
-        """The current manifest if it is intact and all its blocks are present (so they may be reused)."""
+        """The current manifest if a put may build on it: intact, cut into values of this store's
+        size (plan_write reuses nothing else) and with every block still stored."""
+        if current is None:
+            return None
+        try:
+            previous = decode_manifest(current, agent_id, self.spec)
+        except BadCacheError:
+            return None
+        if previous.part_bytes != self.part_bytes:
+            return None
+        return previous if self._blocks_exist(guard, agent_id, previous.blocks) else None
+
+    @abstractmethod
+    def _blocks_exist(self, guard: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
+        """Whether these blocks of the agent are all stored (under a WATCH they then survive until the
+        swap, since only commits, which touch the watched manifest, delete committed blocks)."""
 
     @abstractmethod
     def _write_blocks(self, agent_id: str, plan: WritePlan) -> builtins.list[NewBlock]:
@@ -632,10 +636,6 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         """Swap in the manifest and drop the blocks only the replaced one used, atomically; None if
         another writer swapped first. Returns the shared blocks (with their part size) it released
         that are still to collect."""
-
-    def _blocks_exist(self, guard: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
-        """Whether these blocks are still stored for a retried swap (never asked where swaps never fail)."""
-        return True
 
     def _watch_shared(self, guard: Any, agent_id: str, manifest: Manifest) -> bool:
         """Whether the shared blocks the manifest links are all stored, kept so until the swap (a

@@ -44,8 +44,10 @@ class ByteBudget(ABC):
         """Everything this store holds, one entry per agent (for budget enforcement)."""
 
     @abstractmethod
-    def _remove(self, handle: str) -> bool:
-        """Delete one agent's cache by its usage handle; False if it was already gone."""
+    def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
+        """delete: one agent's cache by its usage handle, atomically (its blocks, its index entries
+        and its references on shared blocks); False if it was already gone. With `only_if`, only
+        while its manifest still holds exactly those bytes (a damaged cache no writer replaced)."""
 
     def _after_put(self, handle: str, nbytes: int) -> None:
         """Evict if the store may be over budget (a full scan at most every few seconds otherwise)."""

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
 from store.agent_ids import agent_key
 from store.backend import (
@@ -52,7 +51,6 @@ from store.iopool import map_parallel, submit
 from store.manifest import (
     BlockRef,
     Manifest,
-    decode_manifest,
     parse_shared_name,
     shared_name,
     summarize_manifest,
@@ -178,14 +176,14 @@ class DiskStore(BlockBackend):
         self._stats.add("expired")
 
     def _fetch_blocks(
-        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+        self, agent_id: str | None, manifest: Manifest, refs: Sequence[BlockRef]
     ) -> list[tuple[Blob, int] | None]:
+        """From the agent's directory (its shared blocks are hard links there), or the shared index."""
+        if agent_id is None:
+            paths = [self._shared_path(ref.name) for ref in refs]
+            return _read_all([path for path in paths if path is not None])
         blocks = self._agent_dir(agent_id) / "blocks"
         return _read_all([blocks / f"{ref.name}{_SUFFIX}" for ref in refs])
-
-    def _fetch_shared(self, manifest: Manifest) -> list[tuple[Blob, int] | None]:
-        paths = [self._shared_path(ref.name) for ref in manifest.blocks]
-        return _read_all([path for path in paths if path is not None])
 
     def _find_versions(self, shares: Sequence[str]) -> Iterator[tuple[str, int, int] | None]:
         return (self._version(share) for share in shares)  # lazy: a run's lookups end at its first miss
@@ -210,33 +208,22 @@ class DiskStore(BlockBackend):
     # --- writes --------------------------------------------------------------------------------
     # The put (BlockBackend._commit_put) under the agent's lock: the swap never fails, and the order
     # blocks (fsynced, renamed), then the manifest (renamed last), then garbage is what survives a crash.
-    def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
-        return self._commit_put(agent_id, cache, fence, namespace) is not None
+    @contextlib.contextmanager
+    def _manifest_guard(self, agent_id: str) -> Iterator[tuple[None, Blob | None]]:
+        """The agent's lock, and its manifest read under it."""
+        with self._locked(agent_key(agent_id)):
+            yield None, _read_if_present(self._agent_dir(agent_id) / MANIFEST)
 
-    def _manifest_guard(self, agent_id: str) -> contextlib.AbstractContextManager[None]:
-        return self._locked(agent_key(agent_id))
-
-    def _guarded_manifest(self, guard: None, agent_id: str) -> Blob | None:
-        return _read_if_present(self._agent_dir(agent_id) / MANIFEST)
-
-    def _reusable(self, guard: None, agent_id: str, current: Blob | None) -> Manifest | None:
-        """Read under the agent's lock without the TTL check: an expired cache that is about to be
-        replaced still lends its blocks (and its fence is still honoured)."""
-        blob, blocks_dir = current, self._agent_dir(agent_id) / "blocks"
-        if blob is None:
-            return None
-        try:
-            previous = decode_manifest(blob, agent_id, self.spec)
-        except BadCacheError:
-            return None
-        for ref in previous.blocks:
-            path = blocks_dir / f"{ref.name}{_SUFFIX}"
+    def _blocks_exist(self, guard: None, agent_id: str, refs: Sequence[BlockRef]) -> bool:
+        """Every block file is there with its size (under the lock no writer removes one)."""
+        blocks_dir = self._agent_dir(agent_id) / "blocks"
+        for ref in refs:
             try:
-                if path.stat().st_size != ref.nbytes:
-                    return None
+                if (blocks_dir / f"{ref.name}{_SUFFIX}").stat().st_size != ref.nbytes:
+                    return False
             except FileNotFoundError:
-                return None
-        return previous
+                return False
+        return True
 
     def _swap_manifest(
         self,
@@ -513,18 +500,11 @@ class DiskStore(BlockBackend):
     def _handle(self, agent_id: str) -> str:
         return agent_key(agent_id)
 
-    def _remove(self, handle: str) -> bool:
+    def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
         with self._locked(handle):
-            return self._remove_locked(handle)
-
-    def _remove_if_manifest_is(self, agent_id: str, manifest_blob: bytes) -> bool:
-        key = agent_key(agent_id)
-        with self._locked(key):
-            try:
-                current = _read_file(self._dir(key) / MANIFEST)
-            except FileNotFoundError:
+            if only_if is not None and _read_if_present(self._dir(handle) / MANIFEST) != only_if:
                 return False
-            return current == manifest_blob and self._remove_locked(key)
+            return self._remove_locked(handle)
 
     def _remove_locked(self, key: str) -> bool:
         directory = self._dir(key)
@@ -567,20 +547,20 @@ class DiskStore(BlockBackend):
             return None
         return blob, last_used, self._pinned(key)
 
-    def _pin(self, agent_id: str) -> bool:
+    def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
+        """The `pinned` file: written under the agent's lock (a delete or an expiry of this agent runs
+        under the same lock), unlinked without it."""
         key = agent_key(agent_id)
-        with self._locked(key):  # a delete or an expiry of this agent runs under the same lock
+        if not pinned:
+            try:
+                os.unlink(self._dir(key) / PIN)
+            except FileNotFoundError:
+                return False
+            return True
+        with self._locked(key):
             if not (self._dir(key) / MANIFEST).exists():
                 return False
             _write_atomic(self._dir(key) / PIN, [b""], fsync=self.fsync)
-        return True
-
-    def _unpin(self, agent_id: str) -> bool:
-        key = agent_key(agent_id)
-        try:
-            os.unlink(self._dir(key) / PIN)
-        except FileNotFoundError:
-            return False
         return True
 
     def _usage(self) -> builtins.list[Usage]:
@@ -604,9 +584,6 @@ class DiskStore(BlockBackend):
                 # A damaged cache still takes space: count what its directory holds.
                 usage.append(Usage(key, None, _tree_bytes(path.parent), last_used))
         return usage
-
-    def close(self) -> None:
-        """Nothing is buffered: every put is durable when it returns."""
 
 
 def _ours(name: str) -> bool:

@@ -59,7 +59,6 @@ from store.iopool import submit
 from store.manifest import (
     BlockRef,
     Manifest,
-    decode_manifest,
     parse_shared_name,
     part_sizes,
     shared_name,
@@ -176,8 +175,10 @@ class RedisStore(BlockBackend):
         return as_blob(value)
 
     def _fetch_blocks(
-        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+        self, agent_id: str | None, manifest: Manifest, refs: Sequence[BlockRef]
     ) -> builtins.list[tuple[Blob, int] | None]:
+        """Shared blocks' keys name no agent (RedisKeys.parts), so `agent_id` None reads them alike."""
+        agent_id = agent_id or ""
         if self._scatter:
             return self._fetch_into_place(agent_id, manifest, refs)
         return self._fetch_with_client(agent_id, manifest, refs)
@@ -252,11 +253,8 @@ class RedisStore(BlockBackend):
         self.pins.hold_if_pinned(handle)  # the commit gave every key ttl_s
         super()._after_put(handle, nbytes)
 
-    def _pin(self, agent_id: str) -> bool:
-        return self.pins.pin(agent_id)
-
-    def _unpin(self, agent_id: str) -> bool:
-        return self.pins.unpin(agent_id)
+    def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
+        return self.pins.pin(agent_id) if pinned else self.pins.unpin(agent_id)
 
     # --- writes --------------------------------------------------------------------------------
     def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
@@ -329,12 +327,12 @@ class RedisStore(BlockBackend):
     def _put_attempts(self) -> Iterator[int]:
         return race_attempts()
 
-    def _manifest_guard(self, agent_id: str) -> Any:
-        return self._client.pipeline(transaction=True)
-
-    def _guarded_manifest(self, guard: Any, agent_id: str) -> Blob | None:
-        guard.watch(self.keys.manifest(agent_id))
-        return as_blob(guard.get(self.keys.manifest(agent_id)))
+    @contextlib.contextmanager
+    def _manifest_guard(self, agent_id: str) -> Iterator[tuple[Any, Blob | None]]:
+        """A transaction pipeline with a WATCH on the manifest key, and the manifest read under it."""
+        with self._client.pipeline(transaction=True) as tx:
+            tx.watch(self.keys.manifest(agent_id))
+            yield tx, as_blob(tx.get(self.keys.manifest(agent_id)))
 
     def _stored_blocks(
         self, agent_id: str, blob: Blob | None
@@ -372,18 +370,6 @@ class RedisStore(BlockBackend):
         keys = self.keys.of_refs(agent_id, shared, manifest.part_bytes)
         tx.watch(*keys)
         return bool(tx.exists(*keys) == len(keys))
-
-    def _reusable(self, tx: Any, agent_id: str, blob: Blob | None) -> Manifest | None:
-        """The current manifest if it is ours to build on and all its blocks are still there."""
-        if blob is None:
-            return None
-        try:
-            previous = decode_manifest(blob, agent_id, self.spec)
-        except BadCacheError:
-            return None
-        if previous.part_bytes != self.part_bytes:
-            return None  # cut into values of another size: plan_write would not reuse it anyway
-        return previous if self._blocks_exist(tx, agent_id, previous.blocks) else None
 
     def _blocks_exist(self, tx: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
         """Whether every value of these blocks exists; under WATCH they then survive until EXEC
@@ -526,9 +512,6 @@ class RedisStore(BlockBackend):
             pipe.get(self.keys.pointer(share))
         return [parse_pointer(share, value) for share, value in zip(shares, pipe.execute(), strict=True)]
 
-    def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
-        return self._fetch_blocks(manifest.agent_id, manifest, manifest.blocks)
-
     # --- anonymous prefixes --------------------------------------------------------------------
     def _store_prefix(
         self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
@@ -650,11 +633,8 @@ class RedisStore(BlockBackend):
     def _handle(self, agent_id: str) -> str:
         return agent_id
 
-    def _remove_if_manifest_is(self, agent_id: str, manifest_blob: bytes) -> bool:
-        return self._remove(agent_id, only_if=manifest_blob)
-
     def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
-        """Delete the agent (if `only_if` is given: only while its manifest holds those bytes)."""
+        """One MULTI/EXEC under a WATCH on the manifest key, retried while other writers win."""
         mkey = self.keys.manifest(handle)
         for _attempt in race_attempts():
             with self._client.pipeline(transaction=True) as tx:

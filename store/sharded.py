@@ -135,11 +135,8 @@ class ShardedStore(BlockBackend):
     def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
         return self.shard_for(agent_id)._info_record(agent_id)
 
-    def _pin(self, agent_id: str) -> bool:
-        return self.shard_for(agent_id)._pin(agent_id)
-
-    def _unpin(self, agent_id: str) -> bool:
-        return self.shard_for(agent_id)._unpin(agent_id)
+    def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
+        return self.shard_for(agent_id)._set_pinned(agent_id, pinned)
 
     def _handle(self, agent_id: str) -> str:
         return agent_id  # the shards are RedisStores, which know agents by their ids
@@ -205,18 +202,17 @@ class ShardedStore(BlockBackend):
         return self.shard_for(agent_id)._read_manifest(agent_id)
 
     def _fetch_blocks(
-        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
+        self, agent_id: str | None, manifest: Manifest, refs: Sequence[BlockRef]
     ) -> builtins.list[tuple[Blob, int] | None]:
+        if agent_id is None:
+            raise NotImplementedError("shared blocks are read by the shard an agent or prefix routes to")
         return self.shard_for(agent_id)._fetch_blocks(agent_id, manifest, refs)
 
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
         self.shard_for(agent_id)._touch(agent_id, manifest)
 
-    def _remove(self, handle: str) -> bool:
-        return self.shard_for(handle)._remove(handle)
-
-    def _remove_if_manifest_is(self, agent_id: str, manifest_blob: bytes) -> bool:
-        return self.shard_for(agent_id)._remove_if_manifest_is(agent_id, manifest_blob)
+    def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
+        return self.shard_for(handle)._remove(handle, only_if)
 
     def _usage(self) -> builtins.list[Usage]:
         return [usage for usages in self._each(lambda shard: shard._usage(), "usage") for usage in usages]
@@ -234,10 +230,7 @@ class ShardedStore(BlockBackend):
     def _manifest_guard(self, agent_id: str) -> Any:
         raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
 
-    def _guarded_manifest(self, guard: Any, agent_id: str) -> Blob | None:
-        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
-
-    def _reusable(self, guard: Any, agent_id: str, current: Blob | None) -> Manifest | None:
+    def _blocks_exist(self, guard: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
         raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
 
     def _write_blocks(self, agent_id: str, plan: WritePlan) -> builtins.list[NewBlock]:
@@ -253,9 +246,6 @@ class ShardedStore(BlockBackend):
         current: Blob | None,
     ) -> Sequence[tuple[BlockRef, int]] | None:
         raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
-
-    def _fetch_shared(self, manifest: Manifest) -> builtins.list[tuple[Blob, int] | None]:
-        raise NotImplementedError("shared blocks are read by the shard an agent or prefix routes to")
 
     def _store_prefix(
         self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float

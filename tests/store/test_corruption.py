@@ -232,10 +232,10 @@ def test_damaged_cache_is_not_deleted_once_a_writer_replaced_it(backend_factory:
     seen = Raw(store, AGENT).read(Raw(store, AGENT).manifest_location())
     fresh = make_cache(spec, tokens(40, seed=4))
     store.put(AGENT, fresh)  # a writer replaced the manifest after `seen` was read
-    assert store._remove_if_manifest_is(AGENT, seen) is False
+    assert store._remove(store._handle(AGENT), only_if=seen) is False
     assert_same_cache(store.get(AGENT), fresh)
     current = Raw(store, AGENT).read(Raw(store, AGENT).manifest_location())
-    assert store._remove_if_manifest_is(AGENT, current) is True
+    assert store._remove(store._handle(AGENT), only_if=current) is True
     assert store.get(AGENT) is None
 
 
