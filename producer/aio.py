@@ -2,9 +2,10 @@
 and `kvrq serve`. Same jobs, same guarantees as the blocking client (client.py), no thread per wait.
 
 What both clients decide is decided once: what an enqueue writes (enqueue.py: rq's own writes, recorded
-and sent here on a redis.asyncio pipeline), what a job's state means (outcome.py: result, failure, the
-stream's end, the re-run skipping of `stream()`), how a Redis URL connects and rides out a failover
-(wire/redis_url_aio.py). Only the waiting is written twice, once blocking and once awaiting.
+and sent here on a redis.asyncio pipeline), how they wait (waits.py: the deadline, the order of the
+reads, what a stream's final event means; each client only answers the waits' steps, blocking or
+awaited), what a job's state means (outcome.py: result, failure, the stream's end, the re-run skipping of
+`stream()`), how a Redis URL connects and rides out a failover (wire/redis_url_aio.py).
 
 rq is synchronous; the one call that goes through it here is `cancel()` (rq's own cancel, which reads
 and writes several of rq's keys): it runs on a thread with a blocking client of the same URL.
@@ -17,16 +18,15 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import WatchError
 from rq.job import Job
-from rq.results import Result
 from rq.serializers import resolve_serializer
 
-from producer import liveness, outcome
+from producer import liveness, waits
 from producer.client import JobHandle
 from producer.conversation import read_conversation
 from producer.enqueue import (
@@ -41,11 +41,11 @@ from producer.enqueue import (
     live_homes,
     validated,
 )
-from producer.errors import JobFailedError, JobNotFoundError, ResultTimeoutError
+from producer.errors import JobFailedError, JobNotFoundError
 from producer.models import GenerationRequest, GenerationResult
-from producer.outcome import TERMINAL_STATUSES, Replay
+from producer.outcome import Replay
 from producer.tenants import Tenant, tenant_of
-from producer.wire.protocol import DEFAULT_QUEUE, SERIALIZER, StreamEvent, stream_key
+from producer.wire.protocol import DEFAULT_QUEUE, SERIALIZER, StreamEvent
 from producer.wire.redis_url import REDIS_DOWN, UNSENT, connect
 from producer.wire.redis_url_aio import connect_async, retry_unsent_async, wait_replicated_async
 
@@ -53,9 +53,8 @@ logger = logging.getLogger("kvrq.producer")
 
 #: Connections of an AsyncProducer's own pool (redis-py's default).
 DEFAULT_MAX_CONNECTIONS = 100
-POLL_S = 1.0  # as client.POLL_S: a result or an event wakes a wait at once; the poll catches the rest
-STREAM_FAILURE_WAIT_S = 2.0
 OnWait = Callable[[], object]
+T = TypeVar("T")
 
 
 class AsyncJobHandle:
@@ -93,12 +92,7 @@ class AsyncJobHandle:
 
     async def status(self) -> str:
         """rq's status string: queued, started, finished, failed, canceled, ..."""
-        status = outcome.status_text(
-            await self._call(lambda: self.connection.hget(Job.key_for(self.id), "status"))
-        )
-        if status is None:
-            raise JobNotFoundError(f"no job {self.id} in Redis")
-        return status
+        return await self._run(waits.status(self.id))
 
     async def meta(self) -> dict[str, Any]:
         """rq's job.meta; the worker keeps `progress` (phase, tokens so far) there."""
@@ -111,109 +105,59 @@ class AsyncJobHandle:
         self, timeout: float | None = None, *, on_wait: OnWait | None = None
     ) -> GenerationResult:
         """JobHandle.result, awaited: the result, or JobFailedError, JobCanceledError, ResultTimeoutError."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = on_wait or _UnheardJobWarning(self)
-        results_key = Result.get_key(self.id)
-        while True:
-            # The last entry before the status, as JobHandle.result (a later result wakes the wait).
-            latest = await self._call(lambda: self.connection.xrevrange(results_key, "+", "-", count=1))
-            last_id = latest[0][0] if latest else "0-0"
-            ended = await self._outcome()
-            if ended is not None:
-                return ended
-            block = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-            if block <= 0:
-                raise await self._timed_out(timeout)
-            await _called(waiting)
-            await self._read(results_key, last_id, block=block, count=1)
+        return await self._run(waits.result(self.id, timeout), on_wait or _UnheardJobWarning(self))
 
     async def _outcome(self) -> GenerationResult | None:
-        status = await self.status()
-        latest, meta = None, None
-        if status in outcome.ENDED_STATUSES:
+        return await self._run(waits.ended(self.id, self.tenant))
 
-            async def read() -> list[Any]:
-                async with self.connection.pipeline(transaction=False) as pipe:
-                    pipe.xrevrange(Result.get_key(self.id), "+", "-", count=1)
-                    pipe.hget(Job.key_for(self.id), "meta")
-                    return list(await pipe.execute())
+    async def _run(self, wait: waits.Wait[T], on_wait: OnWait = waits.quiet) -> T:
+        """A wait without events (waits.py holds its rule), run to its value."""
+        run = waits.Run(wait)
+        async for _ in self._drive(run, on_wait):
+            pass
+        return run.value
 
-            reply, meta = await self._call(read)
-            latest = outcome.latest_result(self.id, reply)
-        return outcome.outcome(self.id, status, latest, meta, self.tenant)
+    async def _drive(self, run: waits.Run[Any], on_wait: OnWait) -> AsyncIterator[StreamEvent]:
+        """JobHandle._drive, awaited: a wait's steps answered with redis.asyncio, its events passed on."""
+        while (step := run.step) is not None:
+            if isinstance(step, waits.Emit):
+                yield step.event
+            await run.settle_async(self._answer(step, on_wait))
 
-    async def _read(
-        self, key: str, last_id: bytes | str, *, block: float | None, count: int
-    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        block_ms = None if block is None else max(1, int(block * 1000))
-        response = await self._call(
-            lambda: self.connection.xread({key: last_id}, block=block_ms, count=count)
-        )
-        return list(response[0][1]) if response else []
+    async def _answer(self, step: waits.Step, on_wait: OnWait) -> Any:
+        if isinstance(step, waits.Read):
+            return await self._call(lambda: self._send(step))
+        if isinstance(step, waits.Outcome):
+            return await self._outcome()
+        if isinstance(step, waits.Notice):
+            return await _called(on_wait)
+        if isinstance(step, waits.Where):
+            return await self._where()
+        return None  # Emit: passed on by _drive
+
+    async def _send(self, read: waits.Read) -> Any:
+        if len(read.commands) == 1:
+            return await read.commands[0].on(self.connection)
+        async with self.connection.pipeline(transaction=False) as pipe:
+            return await read.queue(pipe).execute()
 
     async def cancel(self) -> bool:
         """JobHandle.cancel (rq's own cancel, on a thread): False if the job had already ended."""
         return await asyncio.to_thread(self.sync().cancel)
 
-    async def _timed_out(self, timeout: float | None) -> ResultTimeoutError:
-        where = (
-            await asyncio.to_thread(liveness.job_wait_detail, self.blocking, self.id)
-            if self.blocking is not None
-            else "still not ended"
-        )
-        return ResultTimeoutError(f"job {self.id} did not end within {timeout} s: {where}")
+    async def _where(self) -> str:
+        """Where a job that did not end in time stands (liveness.job_wait_detail, read on a thread)."""
+        if self.blocking is None:
+            return "still not ended"
+        return await asyncio.to_thread(liveness.job_wait_detail, self.blocking, self.id)
 
     async def events(
         self, timeout: float | None = None, *, on_wait: OnWait | None = None
     ) -> AsyncIterator[StreamEvent]:
         """JobHandle.events, awaited: every event of the job's stream, ending with an end or error event."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = on_wait or _UnheardJobWarning(self)
-        key = stream_key(self.id)
-        last_id: bytes | str = "0-0"
-        seen_any = False
-        while True:
-            block = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-            if block <= 0:
-                raise await self._timed_out(timeout)
-            entries = await self._read(key, last_id, block=block, count=1024)
-            if entries:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    seen_any = True
-                    event = outcome.seen(StreamEvent.from_fields(fields), self.tenant)
-                    yield event
-                    if event.final:
-                        return
-                continue
-            ending = await self._ending_without_stream(key, last_id, seen_any)
-            if ending is not None:
-                for event in ending:
-                    yield event
-                return
-            await _called(waiting)
-
-    async def _ending_without_stream(
-        self, key: str, last_id: bytes | str, seen_any: bool
-    ) -> list[StreamEvent] | None:
-        """JobHandle._ending_without_stream: the events that close a stream without its end marker."""
-        try:
-            status = await self.status()
-        except JobNotFoundError:
-            return [StreamEvent("error", error=f"no job {self.id} in Redis")]
-        if status not in TERMINAL_STATUSES:
-            return None
-        rest = [
-            outcome.seen(StreamEvent.from_fields(fields), self.tenant)
-            for _, fields in await self._read(key, last_id, block=None, count=100_000)
-        ]
-        ended: GenerationResult | JobFailedError | None = None
-        if outcome.needs_result(status, rest):
-            try:
-                ended = await self.result(timeout=0.001)
-            except JobFailedError as exc:
-                ended = exc
-        return outcome.closing_events(status, rest, ended, seen_any)
+        run = waits.Run(waits.events(self.id, self.tenant, timeout))
+        async for event in self._drive(run, on_wait or _UnheardJobWarning(self)):
+            yield event
 
     async def fresh_events(
         self, timeout: float | None = None, *, on_wait: OnWait | None = None
@@ -233,22 +177,16 @@ class AsyncJobHandle:
             if event.kind == "delta" and event.text:
                 yield event.text
             elif event.kind == "error":
-                raise await self.stream_failure(event.error or "failed")
+                failed = await self.failure_of(event)
+                raise failed if failed is not None else JobFailedError(self.id, event.error or "failed")
 
-    async def stream_failure(self, reason: str, wait_s: float = STREAM_FAILURE_WAIT_S) -> JobFailedError:
-        """The error a failed stream ends with, with the code the worker recorded (it writes the stream's
-        error event just before rq marks the job failed: waited for up to `wait_s`)."""
-        try:
-            await self.result(timeout=wait_s, on_wait=_quiet)
-        except JobFailedError as exc:
-            return exc
-        except (ResultTimeoutError, JobNotFoundError):
-            pass
-        return JobFailedError(self.id, reason)
-
-
-def _quiet() -> None:
-    """An `on_wait` that does nothing (no notice)."""
+    async def failure_of(
+        self, event: StreamEvent, wait_s: float = waits.STREAM_FAILURE_WAIT_S
+    ) -> JobFailedError | None:
+        """The failure of a job whose stream ended with the error `event`: the code the event carries, else
+        (an older worker's event) the one the job recorded in rq, waited for up to `wait_s`; None where
+        none comes (waits.failure)."""
+        return await self._run(waits.failure(self.id, event, wait_s))
 
 
 async def _called(on_wait: OnWait) -> None:

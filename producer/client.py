@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from redis import Redis
 from redis.exceptions import WatchError
@@ -20,7 +20,7 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import resolve_serializer
 
-from producer import liveness, outcome
+from producer import liveness, outcome, waits
 from producer.conversation import read_conversation
 from producer.enqueue import (
     DEFAULT_JOB_TIMEOUT,
@@ -43,7 +43,6 @@ from producer.wire.protocol import (
     SERIALIZER,
     StreamEvent,
     cancel_key,
-    stream_key,
 )
 from producer.wire.redis_url import REDIS_DOWN, UNSENT, connect, retry_unsent, wait_replicated
 
@@ -61,10 +60,8 @@ __all__ = [
 
 logger = logging.getLogger("kvrq.producer")
 
-#: Seconds between a wait's looks at the job's status (a result or an event wakes it at once).
-POLL_S = 1.0
-#: Seconds a failed stream waits for the job's recorded error (the worker writes the stream's first).
-STREAM_FAILURE_WAIT_S = 2.0
+T = TypeVar("T")
+OnWait = Callable[[], object]
 
 
 def job_failure(connection: Redis, job_id: str) -> tuple[str, str, str | None]:
@@ -98,19 +95,13 @@ class JobHandle:
 
     def status(self) -> str:
         """rq's status string: queued, started, finished, failed, canceled, ..."""
-        raw = retry_unsent(lambda: self.connection.hget(Job.key_for(self.id), "status"), errors=REDIS_DOWN)
-        status = outcome.status_text(raw)
-        if status is None:
-            raise JobNotFoundError(f"no job {self.id} in Redis")
-        return status
+        return self._run(waits.status(self.id))
 
     def meta(self) -> dict[str, Any]:
         """rq's job.meta; the worker keeps `progress` (phase, tokens so far) there."""
         return dict(self.job().get_meta())
 
-    def result(
-        self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
-    ) -> GenerationResult:
+    def result(self, timeout: float | None = None, *, on_wait: OnWait | None = None) -> GenerationResult:
         """Wait for the job to end; return its result or raise JobFailedError / JobCanceledError.
 
         Raises ResultTimeoutError when `timeout` seconds pass first (the job goes on); its message
@@ -118,48 +109,42 @@ class JobHandle:
         about every second of waiting; by default a warning is logged, once, when the job still
         waits after a few seconds in a queue no live worker listens on.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = on_wait or _UnheardJobWarning(self)
-        results_key = Result.get_key(self.id)
-        while True:
-            # The results stream's last entry is read before the status: a result written after the
-            # status read lies past it and wakes the wait below at once (read after the status, the
-            # wait could take that very result for an old one and sleep a whole poll).
-            latest: Any = retry_unsent(
-                lambda: self.connection.xrevrange(results_key, "+", "-", count=1), errors=REDIS_DOWN
-            )
-            last_id = latest[0][0] if latest else "0-0"
-            ended = self._outcome()
-            if ended is not None:
-                return ended
-            block = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-            if block <= 0:
-                raise self._timed_out(timeout)
-            waiting()
-            # Woken as soon as the worker writes a result; the poll catches cancels (no result).
-            self._read(results_key, last_id, block=block, count=1)
+        return self._run(waits.result(self.id, timeout), on_wait or _UnheardJobWarning(self))
 
     def _outcome(self) -> GenerationResult | None:
         """The result once the job has ended (None before); raises its failure (outcome.outcome)."""
-        status = self.status()
-        latest, meta = None, None
-        if status in outcome.ENDED_STATUSES:
-            with self.connection.pipeline(transaction=False) as pipe:
-                pipe.xrevrange(Result.get_key(self.id), "+", "-", count=1)
-                pipe.hget(Job.key_for(self.id), "meta")
-                reply, meta = retry_unsent(pipe.execute, errors=REDIS_DOWN)
-            latest = outcome.latest_result(self.id, reply)
-        return outcome.outcome(self.id, status, latest, meta, self.tenant)
+        return self._run(waits.ended(self.id, self.tenant))
 
-    def _read(
-        self, key: str, last_id: bytes | str, *, block: float | None, count: int
-    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """Entries of one stream after `last_id`, waiting up to `block` seconds for the first."""
-        block_ms = None if block is None else max(1, int(block * 1000))
-        response: Any = retry_unsent(
-            lambda: self.connection.xread({key: last_id}, block=block_ms, count=count), errors=REDIS_DOWN
-        )
-        return list(response[0][1]) if response else []
+    def _run(self, wait: waits.Wait[T], on_wait: OnWait = waits.quiet) -> T:
+        """A wait without events (waits.py holds its rule), run to its value."""
+        run = waits.Run(wait)
+        for _ in self._drive(run, on_wait):
+            pass
+        return run.value
+
+    def _drive(self, run: waits.Run[Any], on_wait: OnWait) -> Iterator[StreamEvent]:
+        """Answers a wait's steps with this client's blocking I/O, passing its events on."""
+        while (step := run.step) is not None:
+            if isinstance(step, waits.Emit):
+                yield step.event
+            run.settle(lambda: self._answer(step, on_wait))
+
+    def _answer(self, step: waits.Step, on_wait: OnWait) -> Any:
+        if isinstance(step, waits.Read):
+            return retry_unsent(lambda: self._send(step), errors=REDIS_DOWN)
+        if isinstance(step, waits.Outcome):
+            return self._outcome()
+        if isinstance(step, waits.Notice):
+            return on_wait()
+        if isinstance(step, waits.Where):
+            return job_wait_detail(self.connection, self.id)
+        return None  # Emit: passed on by _drive
+
+    def _send(self, read: waits.Read) -> Any:
+        if len(read.commands) == 1:
+            return read.commands[0].on(self.connection)
+        with self.connection.pipeline(transaction=False) as pipe:
+            return read.queue(pipe).execute()
 
     def cancel(self) -> bool:
         """Ask for the job to be canceled; False if it had already ended.
@@ -186,72 +171,15 @@ class JobHandle:
             return False
         return True
 
-    def _timed_out(self, timeout: float | None) -> ResultTimeoutError:
-        return ResultTimeoutError(
-            f"job {self.id} did not end within {timeout} s: {job_wait_detail(self.connection, self.id)}"
-        )
-
-    def events(
-        self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
-    ) -> Iterator[StreamEvent]:
+    def events(self, timeout: float | None = None, *, on_wait: OnWait | None = None) -> Iterator[StreamEvent]:
         """Every event of the job's token stream, from the start, ending with an end or error event.
 
         `on_wait` as for `result()`: called about every second that brings no event.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = on_wait or _UnheardJobWarning(self)
-        key = stream_key(self.id)
-        last_id: bytes | str = "0-0"
-        seen_any = False
-        while True:
-            block = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-            if block <= 0:
-                raise self._timed_out(timeout)
-            entries = self._read(key, last_id, block=block, count=1024)
-            if entries:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    seen_any = True
-                    event = outcome.seen(StreamEvent.from_fields(fields), self.tenant)
-                    yield event
-                    if event.final:
-                        return
-                continue
-            ending = self._ending_without_stream(key, last_id, seen_any)
-            if ending is not None:
-                yield from ending
-                return
-            waiting()
+        run = waits.Run(waits.events(self.id, self.tenant, timeout))
+        yield from self._drive(run, on_wait or _UnheardJobWarning(self))
 
-    def _ending_without_stream(
-        self, key: str, last_id: bytes | str, seen_any: bool
-    ) -> list[StreamEvent] | None:
-        """Events that close a stream that will never get its end marker, or None to keep waiting.
-
-        A job canceled in the queue, or failed before a worker took it, never had a stream;
-        a stream may also have expired before a late reader came.
-        """
-        try:
-            status = self.status()
-        except JobNotFoundError:
-            return [StreamEvent("error", error=f"no job {self.id} in Redis")]
-        if status not in TERMINAL_STATUSES:
-            return None
-        rest = [
-            outcome.seen(StreamEvent.from_fields(fields), self.tenant)
-            for _, fields in self._read(key, last_id, block=None, count=100_000)
-        ]
-        ended: GenerationResult | JobFailedError | None = None
-        if outcome.needs_result(status, rest):
-            try:
-                ended = self.result(timeout=0.001)
-            except JobFailedError as exc:
-                ended = exc
-        return outcome.closing_events(status, rest, ended, seen_any)
-
-    def stream(
-        self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
-    ) -> Iterator[str]:
+    def stream(self, timeout: float | None = None, *, on_wait: OnWait | None = None) -> Iterator[str]:
         """Text deltas as the worker generates them (from the start, also for a late reader).
 
         Raises JobFailedError if the job fails; ends quietly when it is canceled. A job run
@@ -266,10 +194,10 @@ class JobHandle:
             if fresh.kind == "delta" and fresh.text:
                 yield fresh.text
             elif fresh.kind == "error":
-                raise self._stream_failure(fresh.error or "failed")
+                raise self._stream_failure(fresh)
 
     def fresh_events(
-        self, timeout: float | None = None, *, on_wait: Callable[[], object] | None = None
+        self, timeout: float | None = None, *, on_wait: OnWait | None = None
     ) -> Iterator[StreamEvent]:
         """`events()` with what a re-run repeats left out (outcome.Replay), as `stream()` reads them."""
         replay = Replay()
@@ -278,19 +206,11 @@ class JobHandle:
             if fresh is not None:
                 yield fresh
 
-    def _stream_failure(self, reason: str) -> JobFailedError:
-        """The error a failed stream ends with, with the job's structured code.
-
-        The worker writes the stream's error event just before rq marks the job failed: wait a
-        moment for that, so the code is the one the worker recorded.
-        """
-        try:
-            self.result(timeout=STREAM_FAILURE_WAIT_S)
-        except JobFailedError as exc:
-            return exc
-        except (ResultTimeoutError, JobNotFoundError):
-            pass
-        return JobFailedError(self.id, reason)
+    def _stream_failure(self, event: StreamEvent) -> JobFailedError:
+        """The error a failed stream ends with: the code its error event carries, else (an older
+        worker's event) the one the job recorded in rq, waited for a moment (waits.failure)."""
+        failed = self._run(waits.failure(self.id, event, waits.STREAM_FAILURE_WAIT_S))
+        return failed if failed is not None else JobFailedError(self.id, event.error or "failed")
 
 
 class _UnheardJobWarning:

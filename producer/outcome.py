@@ -11,12 +11,13 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from pydantic import ValidationError
 from rq.job import JobStatus
 from rq.results import Result
 from rq.serializers import resolve_serializer
 
 from producer.errors import JobCanceledError, JobFailedError
-from producer.models import GenerationResult
+from producer.models import GenerationResult, Usage
 from producer.tenants import Tenant
 from producer.wire.protocol import SERIALIZER, StreamEvent, failure_of
 from producer.wire.text import as_text
@@ -82,10 +83,30 @@ def outcome(
 
 
 def seen(event: StreamEvent, tenant: Tenant | None) -> StreamEvent:
-    """An event as the handle's tenant sees it (an error's text unqualified)."""
+    """An event as the handle's tenant sees it (an error's text unqualified, its code kept)."""
     if tenant is None or event.kind != "error" or not event.error:
         return event
-    return StreamEvent("error", error=tenant.unqualified(event.error))
+    return replace(event, error=tenant.unqualified(event.error))
+
+
+def carried_usage(event: StreamEvent) -> Usage | None:
+    """The usage a finished job's end event carries (its result's), or None: a canceled job's end, an
+    older worker's (no data), or data that does not read as usage; then the rq result has it."""
+    usage = (event.data or {}).get("usage") if event.kind == "end" else None
+    try:
+        return None if usage is None else Usage.model_validate(usage)
+    except ValidationError:
+        return None
+
+
+def carried_failure(job_id: str, event: StreamEvent) -> JobFailedError | None:
+    """The failure an error event carries whole: the worker's code (written for a job that failed for
+    good, as in its job.meta) and its one-line reason; None for an event without a code (an older
+    worker's, a stopped job's): then the rq job has it. `details` is the reason (rq's traceback is not
+    on the stream)."""
+    if event.kind != "error" or not event.code:
+        return None
+    return JobFailedError(job_id, event.error or "failed", code=event.code)
 
 
 def needs_result(status: str, rest: list[StreamEvent]) -> bool:
