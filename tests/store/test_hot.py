@@ -1,4 +1,5 @@
-"""The hot tier: memory hits without I/O, write-behind that survives shutdown, LRU by bytes."""
+"""The hot tier: memory hits without I/O, write-behind that survives shutdown, LRU by bytes (over every
+backend: `backend_factory`)."""
 
 from __future__ import annotations
 
@@ -7,29 +8,36 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from engine.core.blocks import AgentCache
 from engine.core.errors import CacheMismatchError
+from store.backend import BlockBackend
 from store.disk import DiskStore
 from store.errors import StoreError
 from store.factory import open_store
 from store.hot import HotTierStore
 from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
 
+Factory = Callable[..., BlockBackend]
 
-class GatedDisk(DiskStore):
-    """A DiskStore whose puts wait for a gate and can be made to fail, to observe write-behind."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+class Gate:
+    """Holds a backend's puts at a gate and can make them fail, to observe write-behind (it replaces
+    the backend's `put` on that one object)."""
+
+    def __init__(self, backend: BlockBackend) -> None:
+        self.backend = backend
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
         self.fail = False
         self.put_calls: list[tuple[str, int]] = []
+        self._put = backend.put
+        backend.put = self.put  # type: ignore[method-assign]
 
     def put(
         self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
@@ -39,16 +47,16 @@ class GatedDisk(DiskStore):
         self.put_calls.append((agent_id, cache.n_tokens))
         if self.fail:
             raise OSError("disk on fire")
-        return super().put(agent_id, cache, fence=fence, namespace=namespace)
+        return self._put(agent_id, cache, fence=fence, namespace=namespace)
 
 
-def _hot(tmp_path: Path, capacity: int = 1 << 24, **kwargs: object) -> tuple[HotTierStore, GatedDisk]:
-    backend = GatedDisk(tmp_path / "s", tiny_spec())
-    return HotTierStore(backend, capacity, **kwargs), backend  # type: ignore[arg-type]
+def _hot(factory: Factory, capacity: int = 1 << 24, **kwargs: object) -> tuple[HotTierStore, Gate]:
+    gate = Gate(factory(tiny_spec()))
+    return HotTierStore(gate.backend, capacity, **kwargs), gate  # type: ignore[arg-type]
 
 
-def test_hit_after_put_does_no_backend_io(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path)
+def test_hit_after_put_does_no_backend_io(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory)
     cache = make_cache(store.spec, tokens(40))
     store.put("a", cache)
     store.flush()
@@ -58,10 +66,10 @@ def test_hit_after_put_does_no_backend_io(tmp_path: Path) -> None:
     store.close()
 
 
-def test_memory_older_than_the_previous_turn_is_not_served(tmp_path: Path) -> None:
+def test_memory_older_than_the_previous_turn_is_not_served(backend_factory: Factory) -> None:
     """Two workers' hot tiers over one backend: an agent's turn 3 on worker A must see what turn 2
     wrote on worker B, not A's own turn-1 cache still in memory."""
-    backend = DiskStore(tmp_path / "shared", tiny_spec())
+    backend = backend_factory(tiny_spec())
     a, b = HotTierStore(backend, 1 << 24), HotTierStore(backend, 1 << 24)
     turn1 = make_cache(a.spec, tokens(40))
     assert a.put("agent", turn1, fence=1).result(timeout=10)
@@ -78,8 +86,8 @@ def test_memory_older_than_the_previous_turn_is_not_served(tmp_path: Path) -> No
     b.close()
 
 
-def test_close_flushes_every_pending_write(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path)
+def test_close_flushes_every_pending_write(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory)
     backend.gate.clear()
     caches = {f"a{i}": make_cache(store.spec, tokens(20 + i, seed=i)) for i in range(5)}
     for agent, cache in caches.items():
@@ -87,15 +95,15 @@ def test_close_flushes_every_pending_write(tmp_path: Path) -> None:
     assert store.stats()["pending_writes"] == 5
     threading.Timer(0.2, backend.gate.set).start()
     store.close()
-    reopened = DiskStore(tmp_path / "s", tiny_spec())
+    reopened = backend_factory(tiny_spec())
     for agent, cache in caches.items():
         assert_same_cache(reopened.get(agent), cache)
     assert store.stats()["writes_behind"] == 5
     store.close()  # twice is fine
 
 
-def test_an_agent_put_repeatedly_is_written_once_per_drain(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path)
+def test_an_agent_put_repeatedly_is_written_once_per_drain(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory)
     backend.gate.clear()
     store.put("a", make_cache(store.spec, tokens(10)))
     assert backend.entered.wait(5)  # the first put is in flight, held at the gate
@@ -105,14 +113,14 @@ def test_an_agent_put_repeatedly_is_written_once_per_drain(tmp_path: Path) -> No
     backend.gate.set()
     store.flush()
     assert backend.put_calls == [("a", 10), ("a", 40)]
-    assert DiskStore(tmp_path / "s", tiny_spec()).get("a").n_tokens == 40  # type: ignore[union-attr]
+    assert backend_factory(tiny_spec()).get("a").n_tokens == 40  # type: ignore[union-attr]
     store.close()
 
 
-def test_lru_eviction_by_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_lru_eviction_by_bytes(backend_factory: Factory, caplog: pytest.LogCaptureFixture) -> None:
     spec = tiny_spec()
     size = make_cache(spec, tokens(20)).nbytes
-    store, backend = _hot(tmp_path, capacity=int(2.5 * size))
+    store, backend = _hot(backend_factory, capacity=int(2.5 * size))
     for agent in ("a", "b"):
         store.put(agent, make_cache(spec, tokens(20, seed=ord(agent))))
     store.get("a")
@@ -130,17 +138,19 @@ def test_lru_eviction_by_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     store.close()
 
 
-def test_a_cache_larger_than_the_tier_is_still_written(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path, capacity=10)
+def test_a_cache_larger_than_the_tier_is_still_written(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory, capacity=10)
     cache = make_cache(store.spec, tokens(40))
     store.put("a", cache)
     store.close()
     assert store.stats()["hot_entries"] == 0
-    assert_same_cache(DiskStore(tmp_path / "s", tiny_spec()).get("a"), cache)
+    assert_same_cache(backend_factory(tiny_spec()).get("a"), cache)
 
 
-def test_write_errors_are_counted_and_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    store, backend = _hot(tmp_path)
+def test_write_errors_are_counted_and_logged(
+    backend_factory: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    store, backend = _hot(backend_factory)
     backend.fail = True
     with caplog.at_level(logging.ERROR, logger="kvrq.store"):
         store.put("a", make_cache(store.spec, tokens(20)))
@@ -151,10 +161,10 @@ def test_write_errors_are_counted_and_logged(tmp_path: Path, caplog: pytest.LogC
     store.close()
 
 
-def test_puts_wait_when_too_much_is_unwritten(tmp_path: Path) -> None:
+def test_puts_wait_when_too_much_is_unwritten(backend_factory: Factory) -> None:
     spec = tiny_spec()
     size = make_cache(spec, tokens(20)).nbytes
-    store, backend = _hot(tmp_path, max_pending_bytes=int(1.5 * size))
+    store, backend = _hot(backend_factory, max_pending_bytes=int(1.5 * size))
     backend.gate.clear()
     store.put("a", make_cache(spec, tokens(20)))  # in flight at the gate
     assert backend.entered.wait(5)
@@ -174,8 +184,8 @@ def test_puts_wait_when_too_much_is_unwritten(tmp_path: Path) -> None:
     store.close()
 
 
-def test_delete_drops_pending_writes_and_waits_for_the_one_in_flight(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path)
+def test_delete_drops_pending_writes_and_waits_for_the_one_in_flight(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory)
     backend.gate.clear()
     store.put("a", make_cache(store.spec, tokens(20)))
     assert backend.entered.wait(5)
@@ -184,13 +194,13 @@ def test_delete_drops_pending_writes_and_waits_for_the_one_in_flight(tmp_path: P
     assert store.delete("a") is True
     store.flush()
     assert store.get("a") is None
-    assert DiskStore(tmp_path / "s", tiny_spec()).get("a") is None
+    assert backend_factory(tiny_spec()).get("a") is None
     assert backend.put_calls == [("a", 20)]
     store.close()
 
 
-def test_prompt_prefix_from_memory(tmp_path: Path) -> None:
-    store, _ = _hot(tmp_path)
+def test_prompt_prefix_from_memory(backend_factory: Factory) -> None:
+    store, _ = _hot(backend_factory)
     stored = tokens(40)
     store.put("a", make_cache(store.spec, stored))
     got = store.get("a", prompt_tokens=stored[:25] + [1, 2])
@@ -200,8 +210,8 @@ def test_prompt_prefix_from_memory(tmp_path: Path) -> None:
     store.close()
 
 
-def test_put_checks_the_cache_and_refuses_after_close(tmp_path: Path) -> None:
-    store, _ = _hot(tmp_path)
+def test_put_checks_the_cache_and_refuses_after_close(backend_factory: Factory) -> None:
+    store, _ = _hot(backend_factory)
     with pytest.raises(CacheMismatchError):
         store.put("a", make_cache(tiny_spec(name="other"), tokens(5)))
     store.close()
@@ -209,8 +219,8 @@ def test_put_checks_the_cache_and_refuses_after_close(tmp_path: Path) -> None:
         store.put("a", make_cache(store.spec, tokens(5)))
 
 
-def test_list_and_info_include_unwritten_caches(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path)
+def test_list_and_info_include_unwritten_caches(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory)
     store.put("a", make_cache(store.spec, tokens(20)))
     store.flush()
     backend.gate.clear()

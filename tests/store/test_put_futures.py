@@ -8,18 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from store.disk import DiskStore
 from store.errors import StoreError
 from store.factory import open_store
 from store.hot import HotTierStore
 from store.redis_store import RedisStore
 from tests.conftest import RedisServer
 from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
-from tests.store.test_hot import _hot
+from tests.store.test_hot import Factory, _hot
 
 
-def test_future_resolves_true_once_the_backend_holds_the_cache(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path)
+def test_future_resolves_true_once_the_backend_holds_the_cache(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory)
     backend.gate.clear()
     cache = make_cache(store.spec, tokens(40))
     future = store.put("a", cache)
@@ -28,12 +27,12 @@ def test_future_resolves_true_once_the_backend_holds_the_cache(tmp_path: Path) -
     assert future.cancel() is False  # a write cannot be cancelled
     backend.gate.set()
     assert future.result(timeout=10) is True
-    assert_same_cache(DiskStore(tmp_path / "s", tiny_spec()).get("a"), cache)  # another process sees it
+    assert_same_cache(backend_factory(tiny_spec()).get("a"), cache)  # another process sees it
     store.close()
 
 
-def test_a_superseded_put_follows_the_put_that_replaced_it(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path)
+def test_a_superseded_put_follows_the_put_that_replaced_it(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory)
     backend.gate.clear()
     first = store.put("a", make_cache(store.spec, tokens(10)))
     assert backend.entered.wait(5)  # in flight at the gate
@@ -52,9 +51,9 @@ def test_a_superseded_put_follows_the_put_that_replaced_it(tmp_path: Path) -> No
 
 
 def test_a_failed_write_puts_its_error_in_the_future(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    backend_factory: Factory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store, backend = _hot(tmp_path)
+    store, backend = _hot(backend_factory)
     backend.fail = True
     with caplog.at_level(logging.ERROR, logger="kvrq.store"):
         future = store.put("a", make_cache(store.spec, tokens(20)))  # must not raise
@@ -74,8 +73,8 @@ def test_synchronous_put_returns_a_finished_future(tmp_path: Path) -> None:
     store.close()
 
 
-def test_synchronous_put_carries_a_write_error_instead_of_raising(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path, write_behind=False)
+def test_synchronous_put_carries_a_write_error_instead_of_raising(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory, write_behind=False)
     backend.fail = True
     future = store.put("a", make_cache(store.spec, tokens(20)))
     assert future.done() and isinstance(future.exception(), OSError)
@@ -84,9 +83,9 @@ def test_synchronous_put_carries_a_write_error_instead_of_raising(tmp_path: Path
 
 
 @pytest.mark.parametrize("write_behind", [True, False])
-def test_a_stale_put_resolves_false_and_leaves_memory(tmp_path: Path, write_behind: bool) -> None:
-    store, backend = _hot(tmp_path, write_behind=write_behind)
-    other_worker = DiskStore(tmp_path / "s", tiny_spec())
+def test_a_stale_put_resolves_false_and_leaves_memory(backend_factory: Factory, write_behind: bool) -> None:
+    store, backend = _hot(backend_factory, write_behind=write_behind)
+    other_worker = backend_factory(tiny_spec())
     newer = make_cache(store.spec, tokens(50, seed=1))
     assert other_worker.put("a", newer, fence=5)
     future = store.put("a", make_cache(store.spec, tokens(40)), fence=4)
@@ -97,8 +96,8 @@ def test_a_stale_put_resolves_false_and_leaves_memory(tmp_path: Path, write_behi
     store.close()
 
 
-def test_a_delete_resolves_unwritten_puts_false(tmp_path: Path) -> None:
-    store, backend = _hot(tmp_path)
+def test_a_delete_resolves_unwritten_puts_false(backend_factory: Factory) -> None:
+    store, backend = _hot(backend_factory)
     backend.gate.clear()
     in_flight = store.put("a", make_cache(store.spec, tokens(20)))
     assert backend.entered.wait(5)
@@ -110,8 +109,8 @@ def test_a_delete_resolves_unwritten_puts_false(tmp_path: Path) -> None:
     store.close()
 
 
-def test_programming_errors_still_raise(tmp_path: Path) -> None:
-    store, _ = _hot(tmp_path)
+def test_programming_errors_still_raise(backend_factory: Factory) -> None:
+    store, _ = _hot(backend_factory)
     cache = make_cache(store.spec, tokens(5))
     with pytest.raises(ValueError):
         store.put("../x", cache)
