@@ -34,7 +34,7 @@ from producer.http.errors import Flavor, invalid
 from producer.http.ignored import ignore
 from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import named_event
-from producer.models import GenerationResult
+from producer.models import GenerationResult, Usage
 from producer.wire.protocol import StreamEvent
 
 #: Body fields of /v1/messages kvrq maps (temperature, top_p and top_k as the API had them before 2026).
@@ -355,9 +355,13 @@ def _thinking_enabled(thinking: Any) -> bool:
 
 
 def usage(result: GenerationResult | None) -> dict[str, int]:
-    if result is None:
+    return usage_of(None if result is None else result.usage)
+
+
+def usage_of(used: Usage | None) -> dict[str, int]:
+    """Anthropic's usage of a job's usage (None: a job without one, canceled)."""
+    if used is None:
         return {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0}
-    used = result.usage
     return {
         "input_tokens": used.prompt_tokens - used.reused_tokens,
         "output_tokens": used.generated_tokens,
@@ -473,8 +477,12 @@ class MessageStream:
         return []
 
     def tail(self, result: GenerationResult | None) -> list[bytes]:
+        return self.usage_tail(None if result is None else result.usage)
+
+    def usage_tail(self, used: Usage | None) -> list[bytes]:
+        """message_delta (stop_reason, usage) and message_stop (sse.UsageTail: read off the end event)."""
         delta = {"stop_reason": self.reason, "stop_sequence": None}
         return [
-            named_event({"type": "message_delta", "delta": delta, "usage": usage(result)}),
+            named_event({"type": "message_delta", "delta": delta, "usage": usage_of(used)}),
             named_event({"type": "message_stop"}),
         ]

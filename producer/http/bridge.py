@@ -28,7 +28,8 @@ from producer.wire.protocol import StreamEvent
 T = TypeVar("T")
 logger = logging.getLogger("kvrq.http")
 
-#: Seconds to wait for the result of a job whose stream has ended (the worker writes the end marker first).
+#: Seconds to wait for the rq result of a job whose stream has ended where its end event does not carry what
+#: is read (the worker writes the end marker first).
 RESULT_AFTER_END_S = 5.0
 #: Seconds the server, stopping, waits for the cancels it has sent out.
 CLOSE_WAIT_S = 5.0
@@ -120,21 +121,21 @@ class Bridge:
         return APIError(504, f"job {handle.id} did not end within {timeout:g} s", code="timeout")
 
     async def result_after_end(self, handle: AsyncJobHandle) -> GenerationResult | None:
-        """The result of a job whose stream ended with `end`; None if it has none (canceled, expired)."""
+        """The rq result of a job whose stream ended with `end`, for what the end event does not carry
+        (sse._tail); None if it has none (canceled, expired)."""
         try:
             return await handle.result(RESULT_AFTER_END_S, on_wait=_quiet)
         except (JobFailedError, ResultTimeoutError, JobNotFoundError):
             return None
 
-    async def failure(self, handle: AsyncJobHandle, reason: str) -> APIError:
-        """The error of a job whose stream ended with `error`, with the code its worker recorded."""
-        try:
-            await handle.result(RESULT_AFTER_END_S, on_wait=_quiet)
-        except JobFailedError as exc:
-            return from_job_failure(exc)
-        except (ResultTimeoutError, JobNotFoundError):
-            pass
-        return APIError(500, f"job {handle.id} failed: {reason}", code="job_failed")
+    async def failure(self, handle: AsyncJobHandle, error: StreamEvent) -> APIError:
+        """The error of a job whose stream ended with the `error` event, with its worker's code: the one the
+        event carries, else (an older worker's event) the one it recorded in rq, waited for up to
+        RESULT_AFTER_END_S (AsyncJobHandle.failure_of)."""
+        failed = await handle.failure_of(error, RESULT_AFTER_END_S)
+        if failed is not None:
+            return from_job_failure(failed)
+        return APIError(500, f"job {handle.id} failed: {error.error or 'failed'}", code="job_failed")
 
     def events(self, handle: AsyncJobHandle, *, timeout: float) -> AsyncIterator[StreamEvent]:
         """The job's stream events, what a re-run repeats left out (AsyncJobHandle.fresh_events); ends

@@ -16,7 +16,7 @@ from producer.http.errors import Flavor, invalid
 from producer.http.ignored import ignore
 from producer.http.memory_fields import client_agent, memory_fields
 from producer.http.sse import DONE, data_event
-from producer.models import GenerationResult
+from producer.models import GenerationResult, Usage
 from producer.openai_shapes.answers import chat_logprob, completion_logprobs, openai_usage, response_body
 from producer.openai_shapes.bodies import CHAT_URL, BodyError, chat_request, completion_request
 from producer.wire.protocol import StreamEvent
@@ -199,9 +199,13 @@ class _Chunks:
         return out
 
     def tail(self, result: GenerationResult | None) -> list[bytes]:
+        return self.usage_tail(None if result is None else result.usage)
+
+    def usage_tail(self, used: Usage | None) -> list[bytes]:
+        """The usage chunk when asked, then `[DONE]` (sse.UsageTail: read off the end event)."""
         if not self.include_usage:
             return [DONE]
-        usage = {} if result is None else result.usage.model_dump()
+        usage = {} if used is None else used.model_dump()
         return [data_event({**self.envelope(None), "usage": openai_usage(usage)}), DONE]
 
     def text(self, text: str, logprobs: dict[str, Any] | None) -> bytes:

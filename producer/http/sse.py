@@ -21,7 +21,8 @@ from producer.aio import AsyncJobHandle
 from producer.errors import ResultTimeoutError
 from producer.http.bridge import Bridge
 from producer.http.errors import APIError, Flavor
-from producer.models import GenerationResult
+from producer.models import GenerationResult, Usage
+from producer.outcome import carried_usage
 from producer.wire.protocol import StreamEvent
 
 logger = logging.getLogger("kvrq.http")
@@ -66,6 +67,15 @@ class Translator(Protocol):
 
 
 @runtime_checkable
+class UsageTail(Protocol):
+    """A translator whose tail reads only the job's usage (OpenAI's usage chunk, Anthropic's message_delta):
+    where the end event carries the usage (outcome.carried_usage) and no route reads the result
+    (`on_result`), the stream closes from it, without reading the rq result."""
+
+    def usage_tail(self, used: Usage | None) -> list[bytes]: ...
+
+
+@runtime_checkable
 class Pinging(Protocol):
     """A translator whose API has a keep-alive event (Anthropic's `ping`): its stream opens after
     KEEPALIVE_S without a first token and sends it every KEEPALIVE_S until one comes, so a client
@@ -101,7 +111,7 @@ async def open_stream(
     if first_event.done():
         first = first_event.result()
         if first.kind == "error":
-            raise await bridge.failure(handle, first.error or "failed")
+            raise await bridge.failure(handle, first)
         chunks = job_stream(
             bridge, handle, translator, _chain(first, events), timeout=timeout, on_result=on_result
         )
@@ -146,7 +156,7 @@ async def _pinged(
         bridge.cancel_soon(handle)
         raise
     if first.kind == "error":
-        yield (await bridge.failure(handle, first.error or "failed")).sse(translator.flavor)
+        yield (await bridge.failure(handle, first)).sse(translator.flavor)
         return
     rest = job_stream(
         bridge, handle, translator, _chain(first, events), timeout=timeout, on_result=on_result, head=False
@@ -178,15 +188,12 @@ async def job_stream(
         async for event in events:
             if event.kind == "error":
                 ended = True
-                raise await bridge.failure(handle, event.error or "failed")
+                raise await bridge.failure(handle, event)
             for chunk in translator.event(event):
                 yield chunk
             if event.kind == "end":
                 ended = True
-                result = None if event.finish_reason == "canceled" else await bridge.result_after_end(handle)
-                if on_result is not None:
-                    await on_result(result)
-                for chunk in translator.tail(result):
+                for chunk in await _tail(bridge, handle, translator, event, on_result):
                     yield chunk
                 return
     except ResultTimeoutError:
@@ -201,3 +208,22 @@ async def job_stream(
     finally:
         if not ended:
             bridge.cancel_soon(handle)
+
+
+async def _tail(
+    bridge: Bridge,
+    handle: AsyncJobHandle,
+    translator: Translator,
+    end: StreamEvent,
+    on_result: OnResult | None,
+) -> list[bytes]:
+    """The translator's events after the job's `end` event: from the usage the event carries where that is
+    all they read (UsageTail), else from the job's rq result (an older worker's end event has no usage;
+    the Responses API and a route's `on_result` read the whole result); a canceled job has none."""
+    used = carried_usage(end)
+    if used is not None and on_result is None and isinstance(translator, UsageTail):
+        return translator.usage_tail(used)
+    result = None if end.finish_reason == "canceled" else await bridge.result_after_end(handle)
+    if on_result is not None:
+        await on_result(result)
+    return translator.tail(result)

@@ -31,6 +31,18 @@ def fail_like_rq(
         pipe.execute()
 
 
+def finish_like_rq(connection: Redis, job_id: str, result: dict[str, object]) -> None:
+    """Mark a queued job finished with `result` as its return value, the way rq records it."""
+    from rq.job import Job, JobStatus
+    from rq.results import Result
+
+    job = Job.fetch(job_id, connection=connection, serializer="json")
+    with connection.pipeline() as pipe:
+        job.set_status(JobStatus.FINISHED, pipeline=pipe)
+        Result.create(job, Result.Type.SUCCESSFUL, ttl=500, return_value=result, pipeline=pipe)
+        pipe.execute()
+
+
 def fake_async_redis(connection: fakeredis.FakeRedis) -> fakeredis.FakeAsyncRedis:
     """A redis.asyncio fakeredis client over `connection`'s server (the same data)."""
     return fakeredis.FakeAsyncRedis(server=connection.connection_pool.connection_kwargs["server"])
