@@ -8,9 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
+from store.agent_ids import agent_key
 from store.disk import DiskStore
 from store.redis_store import RedisStore
-from tests.store.conftest import make_cache, tiny_spec, tokens
+from tests.store.conftest import make_cache, redis_value_keys, tiny_spec, tokens
+from tests.store.test_corruption import Raw
 
 Factory = Callable[..., DiskStore | RedisStore]
 
@@ -86,3 +88,30 @@ def test_growing_an_agent_counts_its_new_size_once(backend_factory: Factory) -> 
 def test_invalid_budget_is_refused(backend_factory: Factory) -> None:
     with pytest.raises(ValueError):
         backend_factory(tiny_spec(), max_bytes=0)
+
+
+def test_budget_counts_damaged_caches_and_can_evict_them(backend_factory: Factory) -> None:
+    """A cache whose manifest no longer reads still takes space: the budget counts it and evicts it
+    with its own blocks (disk: its directory; Redis: its committed values, found by their key pattern)."""
+    spec = tiny_spec()
+    store = backend_factory(spec)
+    store.put("junk", make_cache(spec, tokens(20)))  # a shared full block and a partial one of its own
+    raw = Raw(store, "junk")
+    raw.write(raw.manifest_location(), b"garbage")
+    size = make_cache(spec, tokens(20)).nbytes
+    assert _own_blocks(store, "junk") > 0
+    budgeted = backend_factory(spec, max_bytes=int(1.5 * size))
+    budgeted.put("a", make_cache(spec, tokens(20, seed=1)))
+    assert budgeted.stats()["evictions"] == 1
+    assert store._info_record("junk") is None
+    assert _own_blocks(store, "junk") == 0
+
+
+def _own_blocks(store: DiskStore | RedisStore, agent_id: str) -> int:
+    """How many blocks an agent holds, whatever its manifest says (disk: the files of its directory,
+    links to shared blocks included; Redis: its own values)."""
+    if isinstance(store, DiskStore):
+        blocks = store._agent_dir(agent_id) / "blocks"
+        return len(list(blocks.iterdir())) if blocks.exists() else 0
+    own = f"{store.prefix}{agent_key(agent_id)}:b:"
+    return sum(1 for key in redis_value_keys(store._client, store.prefix) if key.startswith(own))

@@ -107,19 +107,6 @@ def test_ttl_expires_unused_agents(tmp_path: Path) -> None:
     assert not store._agent_dir("old").exists()
 
 
-def test_budget_counts_damaged_caches_and_can_evict_them(tmp_path: Path) -> None:
-    spec = tiny_spec()
-    store = DiskStore(tmp_path / "s", spec)
-    store.put("junk", make_cache(spec, tokens(20)))
-    (store._agent_dir("junk") / MANIFEST).write_bytes(b"garbage")
-    os.utime(store._agent_dir("junk") / MANIFEST, (1000, 1000))
-    size = make_cache(spec, tokens(20)).nbytes
-    budgeted = DiskStore(tmp_path / "s", spec, max_bytes=int(1.5 * size))
-    budgeted.put("a", make_cache(spec, tokens(20, seed=1)))
-    assert not store._agent_dir("junk").exists()
-    assert budgeted.stats()["evictions"] == 1
-
-
 def test_fsync_can_be_turned_off(tmp_path: Path) -> None:
     spec = tiny_spec()
     store = DiskStore(tmp_path / "s", spec, fsync=False)

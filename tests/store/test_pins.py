@@ -55,6 +55,19 @@ def outlive_ttl(store: BlockBackend, agents: list[str], seconds: float = 2.5) ->
             os.utime(path, (past, past))
 
 
+def test_ttl_expires_unused_agents_and_get_extends_it(opener: Opener) -> None:
+    """Each use restarts an agent's TTL (disk: its manifest's mtime; Redis: its keys' expiry)."""
+    store = opener(ttl_s=2)
+    store.put("a", make_cache(store.spec, tokens(40)))
+    store.put("b", make_cache(store.spec, tokens(40, seed=1)))
+    time.sleep(1.2)
+    assert store.get("a") is not None  # refreshes a's expiry
+    time.sleep(1.2)
+    assert store.get("b") is None  # b was not used: gone
+    assert store.get("a") is not None
+    assert store.list() == ["a"]  # the index forgets expired agents
+
+
 def test_a_pinned_agent_is_never_evicted_by_the_budget(opener: Opener) -> None:
     probe = opener()
     probe.put("probe", make_cache(probe.spec, tokens(20)))
