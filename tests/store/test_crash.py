@@ -128,29 +128,26 @@ def _rounds(kind: str, location: str, rounds: int, seed: int) -> None:
     assert _stray(kind, location) == []
 
 
-@pytest.fixture
-def disk_location(tmp_path: Path) -> str:
-    location = str(tmp_path / "store")
-    DiskStore(location, crash_spec()).close()
-    return location
+@pytest.fixture(params=["disk", "redis"])
+def crash_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    """(kind, location) of the store the writer puts to: a fresh directory, or a redis-server of its own."""
+    if request.param == "disk":
+        location = str(tmp_path / "store")
+        DiskStore(location, crash_spec()).close()
+        return "disk", location
+    server: RedisServer = request.getfixturevalue("own_redis_server")
+    return "redis", server.url
 
 
-def test_kill_during_disk_puts_leaves_a_whole_cache(disk_location: str) -> None:
-    _rounds("disk", disk_location, DEFAULT_ROUNDS, seed=1)
-
-
-def test_kill_during_redis_puts_leaves_a_whole_cache(own_redis_server: RedisServer) -> None:
-    _rounds("redis", own_redis_server.url, DEFAULT_ROUNDS, seed=2)
-
-
-@pytest.mark.chaos
-def test_chaos_kill_during_disk_puts(disk_location: str) -> None:
-    _rounds("disk", disk_location, CHAOS_ROUNDS, seed=3)
+def test_kill_during_puts_leaves_a_whole_cache(crash_store: tuple[str, str]) -> None:
+    kind, location = crash_store
+    _rounds(kind, location, DEFAULT_ROUNDS, seed=1 if kind == "disk" else 2)
 
 
 @pytest.mark.chaos
-def test_chaos_kill_during_redis_puts(own_redis_server: RedisServer) -> None:
-    _rounds("redis", own_redis_server.url, CHAOS_ROUNDS, seed=4)
+def test_chaos_kill_during_puts(crash_store: tuple[str, str]) -> None:
+    kind, location = crash_store
+    _rounds(kind, location, CHAOS_ROUNDS, seed=3 if kind == "disk" else 4)
 
 
 # --- a full disk, a full Redis -----------------------------------------------------------------------
