@@ -177,10 +177,10 @@ class AsyncJobHandle:
             if event.kind == "delta" and event.text:
                 yield event.text
             elif event.kind == "error":
-                failed = await self.failure_of(event)
+                failed = await self.failure(event)
                 raise failed if failed is not None else JobFailedError(self.id, event.error or "failed")
 
-    async def failure_of(
+    async def failure(
         self, event: StreamEvent, wait_s: float = waits.STREAM_FAILURE_WAIT_S
     ) -> JobFailedError | None:
         """The failure of a job whose stream ended with the error `event`: the code the event carries, else

@@ -131,8 +131,8 @@ class Bridge:
     async def failure(self, handle: AsyncJobHandle, error: StreamEvent) -> APIError:
         """The error of a job whose stream ended with the `error` event, with its worker's code: the one the
         event carries, else (an older worker's event) the one it recorded in rq, waited for up to
-        RESULT_AFTER_END_S (AsyncJobHandle.failure_of)."""
-        failed = await handle.failure_of(error, RESULT_AFTER_END_S)
+        RESULT_AFTER_END_S (AsyncJobHandle.failure)."""
+        failed = await handle.failure(error, RESULT_AFTER_END_S)
         if failed is not None:
             return from_job_failure(failed)
         return APIError(500, f"job {handle.id} failed: {error.error or 'failed'}", code="job_failed")
