@@ -677,17 +677,15 @@ class RaggedBatchGenerator:
 
     def _assign_slots(self, live: list[Row]) -> None:
         """Finished rows, drafting rows and rows about to outgrow SHORT_ROW_TOKENS leave the slots;
-        short decoding rows enter them, but for those that drafted lately (Speculation's
-        keeps_out_of_slots: moving in and out copies their K/V each time)."""
+        short decoding rows enter them (a drafted row's way out is timed with its step: Speculation
+        learns what it costs)."""
         for row in list(self.slots.rows):
             if row.finished or row.drafting or row.length + 1 > SHORT_ROW_TOKENS:
                 self.slots.leave(row)
-        speculation = self.speculation
         for row in live if self.short_slots else ():
             if (
                 row.decoding
                 and not row.drafting
-                and not (speculation and speculation.keeps_out_of_slots(row.speculation, self.steps))
                 and row.length + 1 <= SHORT_ROW_TOKENS
                 and row not in self.slots
                 and holds_all(row)

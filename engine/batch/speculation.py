@@ -59,9 +59,6 @@ MAX_PROBE_EVERY = 128
 #: A step drafts only where the cost says its tokens per second gain at least this factor: a
 #: prediction within the noise of a step's time is no reason to pay a draft's extra work.
 MIN_GAIN = 1.05
-#: A row that drafted stays out of the ShortSlots this many steps: a drafted row leaves them (its 1 + k
-#: tokens run like a prefill chunk) and moving in and out every other step costs two copies of its K/V.
-SLOT_REENTRY_STEPS = 8
 #: Step times kept per estimate; the estimate is their median (robust to a step a neighbour slowed),
 #: taken as founded from MIN_SAMPLES of them.
 SAMPLES = 9
@@ -160,7 +157,6 @@ class RowSpeculation:
     acceptance: float = PRIOR_ACCEPTANCE  # accepted / proposed, averaged over its drafts
     misses: int = 0  # drafts in a row with nothing accepted
     paused_until: int = 0  # the generator's step count
-    drafted_at: int = -SLOT_REENTRY_STEPS  # the step count of its latest draft
     proposed: int = 0
     accepted: int = 0
 
@@ -170,7 +166,6 @@ class RowSpeculation:
         return sum(a**i for i in range(1, k + 1))
 
     def record(self, proposed: int, accepted: int, step: int) -> None:
-        self.drafted_at = step
         self.proposed += proposed
         self.accepted += accepted
         self.acceptance = (1 - WEIGHT) * self.acceptance + WEIGHT * accepted / proposed
@@ -293,6 +288,12 @@ class Speculation:
         offers.sort(key=lambda offer: -offer[0])
         if self.always:
             return {uid: draft for _, uid, draft, _ in offers}
+        # A draft that would not pay even if its tokens cost nothing is never tried (nor probed).
+        offers = [
+            o for o in offers if decode_rows + o[3].expected_tokens(len(o[2])) >= MIN_GAIN * decode_rows
+        ]
+        if not offers:
+            return {}
         best_rate, best = MIN_GAIN * decode_rows / (self.times.plain[decode_rows] + extra_s), 0
         gain, draft_tokens = 0.0, 0
         for i, (_, _, draft, state) in enumerate(offers, start=1):
@@ -318,10 +319,6 @@ class Speculation:
         self._probe_every = min(MAX_PROBE_EVERY, self._probe_every * 2)
         _, uid, draft, _ = offers[0]
         return {uid: draft}
-
-    def keeps_out_of_slots(self, state: RowSpeculation | None, step: int) -> bool:
-        """Whether a row that drafted lately stays out of the ShortSlots (SLOT_REENTRY_STEPS)."""
-        return state is not None and step - state.drafted_at < SLOT_REENTRY_STEPS
 
     def record_step(self, step: SpeculatedStep) -> None:
         """Learn from a step's time: a decode step without prompt tokens sets the cost of its

@@ -284,6 +284,10 @@ def test_a_step_size_measured_once_is_a_guess_a_draft_more_at_most_tries() -> No
     assert len(slow.plan(offer(1), 1, step=1, extra_s=0.0)) == 1, "timed again until founded"
     measured(slow, 5, True, 0.400)
     assert slow.plan(offer(1), 1, step=2, extra_s=0.0) == {}
+    measured(slow, 16, False, 0.200)
+    assert slow.plan(offer(16, acceptance=0.1), 16, step=3, extra_s=0.0) == {}, (
+        "16 rows: 0.11 tokens expected of a draft would not pay even free: not tried"
+    )
 
 
 def test_drafts_the_cost_turns_down_are_probed_less_and_less_often() -> None:
