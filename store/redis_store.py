@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import itertools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -390,33 +391,40 @@ class RedisStore(BlockBackend):
         was written, best effort: the provisional expiry covers the rest.
         """
         linked = self._stored_shared(agent_id, plan.new_blocks)
-        owners: builtins.list[NewBlock | None] = []  # the block of each SET reply; None: not shared
-        replies: builtins.list[Any] = []
+        to_send = [block for block in plan.new_blocks if not any(block is stored for stored in linked)]
         try:
-            pipe = self._client.pipeline(transaction=False)
-            queued = 0
-            for block in plan.new_blocks:
-                if any(block is stored for stored in linked):
-                    continue
-                keys = self.keys.parts(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
-                values = split_parts(block.encoded.parts(), self.part_bytes)
-                shared = block.share is not None
-                for key, value in zip(keys, values, strict=True):
-                    pipe.set(key, self._value(value), px=PENDING_TTL_MS, nx=shared)
-                    owners.append(block if shared else None)
-                queued += block.encoded.nbytes
-                if queued >= _PIPELINE_BYTES:
-                    replies += pipe.execute()
-                    queued = 0
-            replies += pipe.execute()
+            replies = self._set_pending(
+                [(agent_id, block.name, block.encoded, block.share is not None) for block in to_send]
+            )
         except RedisError:
             with contextlib.suppress(RedisError):
                 self._discard(agent_id, plan)
             raise
         # A shared block all of whose values were there already (NX set none) was stored meanwhile.
-        written = {id(block) for block, reply in zip(owners, replies, strict=True) if block and reply}
-        raced = {id(block) for block in owners if block is not None} - written
+        raced = {id(b) for b, sets in zip(to_send, replies, strict=True) if b.share and not any(sets)}
         return linked + [b for b in plan.new_blocks if id(b) in raced]
+
+    def _set_pending(
+        self, blocks: Sequence[tuple[str, str, EncodedBlock, bool]]
+    ) -> builtins.list[builtins.list[Any]]:
+        """SET each (agent, name, block, only_if_absent)'s values on the provisional expiry, pipelined
+        (sent every ~64 MB); the SETs' replies of each block (NX: falsy where a value was there)."""
+        pipe = self._client.pipeline(transaction=False)
+        counts: builtins.list[int] = []
+        replies: builtins.list[Any] = []
+        queued = 0
+        for agent_id, name, block, nx in blocks:
+            keys = self.keys.parts(agent_id, name, block.nbytes, self.part_bytes)
+            for key, value in zip(keys, split_parts(block.parts(), self.part_bytes), strict=True):
+                pipe.set(key, self._value(value), px=PENDING_TTL_MS, nx=nx)
+            counts.append(len(keys))
+            queued += block.nbytes
+            if queued >= _PIPELINE_BYTES:
+                replies += pipe.execute()
+                queued = 0
+        replies += pipe.execute()
+        ends = itertools.accumulate(counts)
+        return [replies[end - count : end] for count, end in zip(counts, ends, strict=True)]
 
     def _stored_shared(self, agent_id: str, blocks: Sequence[NewBlock]) -> builtins.list[NewBlock]:
         """The shared blocks among `blocks` whose values are all stored already."""
@@ -532,7 +540,7 @@ class RedisStore(BlockBackend):
                     encoded[index] = block
                     found = (shared_name(share, block.crc32), block.nbytes, block.crc32)
                 blocks.append(found)
-            self._send_prefix_blocks([(encoded[i], blocks[i][0]) for i in sorted(set(encoded) - sent)])
+            self._set_pending([("", blocks[i][0], encoded[i], True) for i in sorted(set(encoded) - sent)])
             sent = set(encoded)
             keys = [self.keys.parts("", name, nbytes, self.part_bytes) for name, nbytes, _crc in blocks]
             with self._client.pipeline(transaction=True) as tx:
@@ -557,20 +565,6 @@ class RedisStore(BlockBackend):
             written = sum(encoded[i].nbytes for i in encoded)
             return PrefixWrite(held=len(shares) - len(encoded), written=len(encoded), bytes_written=written)
         raise StoreError(f"put_prefix of {len(shares)} blocks kept losing races with other writers")
-
-    def _send_prefix_blocks(self, blocks: Sequence[tuple[EncodedBlock, str]]) -> None:
-        """SET the values of new shared blocks where absent (NX), on the provisional expiry."""
-        pipe = self._client.pipeline(transaction=False)
-        queued = 0
-        for block, name in blocks:
-            keys = self.keys.parts("", name, block.nbytes, self.part_bytes)
-            for key, value in zip(keys, split_parts(block.parts(), self.part_bytes), strict=True):
-                pipe.set(key, self._value(value), px=PENDING_TTL_MS, nx=True)
-            queued += block.nbytes
-            if queued >= _PIPELINE_BYTES:
-                pipe.execute()
-                queued = 0
-        pipe.execute()
 
     def _missing(self, keys: Sequence[Sequence[str]]) -> builtins.list[int]:
         """The indexes of the blocks (each given by its value keys) with a value missing."""
