@@ -2,8 +2,12 @@
 
 Here: the read path, cross-agent warm starts, write planning and the put (a guarded
 compare-and-swap of the manifest); prefix holds (store/prefix_holds.py) and byte budgets
-(store/budget.py) are mixed in. A backend supplies raw reads of manifests and blocks, the
-guard and swap of a manifest, block writes, shared-block lookups and reference counts.
+(store/budget.py) are mixed in. A backend supplies primitives only, each saying why it is one:
+get (`_read_manifest`, `_fetch_blocks`, `_info_record`, `_find_versions`), put-many
+(`_write_blocks`), the manifest's compare-and-swap (`_manifest_guard`, `_blocks_exist`,
+`_swap_manifest`), delete (`_remove`), refcounts and holds (`_shared_users`, `_store_prefix`,
+`_touch_prefix`, `_prefix_entries`, `_drop_hold`), recency and TTL (`_touch`, `_set_pinned`),
+and what it holds (`_usage`, `list`, `_handle`).
 
 Reading is lock-free: a reader that finds a block gone re-reads the manifest, and if a newer
 generation replaced it meanwhile it simply reads again; only if the same manifest
@@ -207,7 +211,9 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         return self._commit_put(agent_id, cache, fence, namespace) is not None
 
     @abstractmethod
-    def list(self) -> builtins.list[str]: ...
+    def list(self) -> builtins.list[str]:
+        """Every agent with a readable manifest: a scan of the agents' directories on disk, the
+        index in Redis (each backend's own way to enumerate what it holds)."""
 
     def close(self) -> None:
         """Release the backend's connections (nothing to release where every put is durable on return)."""
@@ -381,7 +387,8 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
     @abstractmethod
     def _find_versions(self, shares: Sequence[str]) -> Iterable[tuple[str, int, int] | None]:
         """(name, nbytes, crc32) of each share key's stored version, None where there is none
-        (lazily where lookups are one by one: the caller may stop at the first None)."""
+        (lazily where lookups are one by one: the caller may stop at the first None). A primitive:
+        the shared index is a directory listing on disk, a pointer key in Redis."""
 
     def record_miss(self, agent_id: str, reason: str, detail: str) -> None:
         """Count and log a miss found by a layer in front of this backend (the hot tier)."""
@@ -596,9 +603,9 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
     @abstractmethod
     def _manifest_guard(self, agent_id: str) -> AbstractContextManager[tuple[Any, Blob | None]]:
         """The compare-and-swap's guard over the agent's manifest, from reading it to swapping it (a
-        lock, or an optimistic WATCH that makes the swap fail if another writer swapped first); yields
-        what the hooks below take and the manifest as stored under it (no TTL check: an expired cache
-        still lends its fence and its blocks)."""
+        primitive: disk's flock, or Redis's optimistic WATCH that makes the swap fail if another writer
+        swapped first); yields what the hooks below take and the manifest as stored under it (no TTL
+        check: an expired cache still lends its fence and its blocks)."""
 
     def _reusable(self, guard: Any, agent_id: str, current: Blob | None) -> Manifest | None:
         """The current manifest if a put may build on it: intact, cut into values of this store's
@@ -620,8 +627,9 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
 
     @abstractmethod
     def _write_blocks(self, agent_id: str, plan: WritePlan) -> builtins.list[NewBlock]:
-        """Write the plan's new blocks (durable, not yet referenced); returns the shared ones that were
-        found stored already and only linked."""
+        """put-many: write the plan's new blocks (durable, not yet referenced); returns the shared ones
+        found stored already and only linked. A primitive: durability is fsync and rename on disk, a
+        provisional expiry in Redis, and the link to a stored shared block a hard link or no write."""
 
     @abstractmethod
     def _swap_manifest(
@@ -633,9 +641,10 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         manifest_blob: bytes,
         current: Blob | None,
     ) -> Sequence[tuple[BlockRef, int]] | None:
-        """Swap in the manifest and drop the blocks only the replaced one used, atomically; None if
-        another writer swapped first. Returns the shared blocks (with their part size) it released
-        that are still to collect."""
+        """The compare-and-swap: swap in the manifest and drop the blocks only the replaced one used,
+        atomically; None if another writer swapped first. Returns the shared blocks (with their part
+        size) it released that are still to collect. A primitive: the rename under the agent's lock on
+        disk, one MULTI/EXEC (refcounts and index included) in Redis."""
 
     def _watch_shared(self, guard: Any, agent_id: str, manifest: Manifest) -> bool:
         """Whether the shared blocks the manifest links are all stored, kept so until the swap (a

@@ -1,7 +1,7 @@
 """Byte budgets: least recently used agents are evicted until the store fits max_bytes, pinned ones never.
 
 Written once for every backend (BlockBackend mixes it in): a backend supplies what it holds
-(`_usage`) and how to remove one agent (`_remove`, atomic on its side).
+(`_usage`) and how to remove one agent (`_remove`, atomic on its side, conditional for damaged caches).
 """
 
 from __future__ import annotations
@@ -41,13 +41,15 @@ class ByteBudget(ABC):
 
     @abstractmethod
     def _usage(self) -> list[Usage]:
-        """Everything this store holds, one entry per agent (for budget enforcement)."""
+        """Everything this store holds, one entry per agent (for budget enforcement). A primitive: disk
+        reads every manifest (a damaged one counts its directory), Redis its index and size hashes."""
 
     @abstractmethod
     def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
         """delete: one agent's cache by its usage handle, atomically (its blocks, its index entries
         and its references on shared blocks); False if it was already gone. With `only_if`, only
-        while its manifest still holds exactly those bytes (a damaged cache no writer replaced)."""
+        while its manifest still holds exactly those bytes (a damaged cache no writer replaced). A
+        primitive: under the agent's lock on disk, a WATCHed MULTI/EXEC in Redis."""
 
     def _after_put(self, handle: str, nbytes: int) -> None:
         """Evict if the store may be over budget (a full scan at most every few seconds otherwise)."""

@@ -141,16 +141,20 @@ class PrefixHolds(ABC):
         self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
     ) -> PrefixWrite:
         """Hold the shared block of each share key (in order, block i recorded at prefix_recency(now, i)):
-        a stored version is held as it is, the others are `encode(i)`d and written first."""
+        a stored version is held as it is, the others are `encode(i)`d and written first. A primitive:
+        its atomic step is a hard link that never replaces on disk, a WATCHed MULTI/EXEC over every
+        block's values in Redis (a block collected meanwhile is written again)."""
 
     @abstractmethod
     def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
         """Make these (name, bytes) blocks, a run from the start, the most recently used prefix blocks
-        (where the prefix budget holds them)."""
+        (where the prefix budget holds them). A primitive: the holds' mtimes on disk, their scores
+        and TTLs in Redis."""
 
     @abstractmethod
     def _prefix_entries(self) -> list[PrefixEntry]:
-        """Every block held for anonymous prefixes, with how many agents link it."""
+        """Every block held for anonymous prefixes, with how many agents link it (read together: a
+        directory scan with link counts on disk, one pipeline in Redis)."""
 
     def _evict_prefix(self, entry: PrefixEntry) -> bool:
         """Drop the prefix hold on a block and delete it unless an agent links it (checked at that
@@ -165,12 +169,14 @@ class PrefixHolds(ABC):
     @abstractmethod
     def _shared_users(self, name: str) -> int:
         """The reference count of a shared block: how many agents' manifests link it (neither the
-        prefix hold nor the index of shared blocks counts)."""
+        prefix hold nor the index of shared blocks counts). A primitive: hard-link counts on disk, a
+        reference set in Redis."""
 
     @abstractmethod
     def _drop_hold(self, entry: PrefixEntry) -> bool:
         """Drop the prefix hold on a block and delete it if then no agent links it, atomically; False
-        if there was no hold."""
+        if there was no hold. A primitive: an unlink (a racing agent keeps its own link) on disk, the
+        release script (or its WATCH fallback) in Redis."""
 
     def _drop_damaged_prefix(self, ref: BlockRef) -> None:
         """A shared block that failed its checks: drop it if only the prefix budget holds it, so the
