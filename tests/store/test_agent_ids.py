@@ -1,8 +1,10 @@
-"""Agent ids are validated, and hostile ones can never reach the filesystem or a foreign key."""
+"""Agent ids are validated, and hostile ones can never reach the filesystem or a foreign key (on every
+backend)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,8 @@ import pytest
 from producer.wire.ids import MAX_AGENT_ID_LENGTH, InvalidAgentIdError, validate_agent_id
 from store.agent_ids import agent_key
 from store.disk import DiskStore
-from store.factory import open_store
+from store.hot import HotTierStore
+from store.redis_store import RedisStore
 from tests.store.conftest import make_cache, tiny_spec, tokens
 
 HOSTILE = [
@@ -59,13 +62,19 @@ def test_ids_differing_in_case_get_different_keys() -> None:
 
 @pytest.mark.parametrize("agent_id", HOSTILE)
 def test_every_store_operation_refuses_hostile_ids_and_writes_nothing_outside(
-    agent_id: str, tmp_path: Path
+    agent_id: str, backend_factory: Callable[..., DiskStore | RedisStore], tmp_path: Path
 ) -> None:
     spec = tiny_spec()
-    root = tmp_path / "inside" / "store"
-    store = open_store(f"disk:{root}", spec, hot_tier_bytes=1 << 20)
+    backend = backend_factory(spec)
+    store = HotTierStore(backend, 1 << 20)
     cache = make_cache(spec, tokens(20))
-    before = {p for p in tmp_path.rglob("*")}
+
+    def stored() -> set[object]:
+        """Every file under the test's directory, and every Redis key."""
+        keys = set(backend._client.keys()) if isinstance(backend, RedisStore) else set()
+        return {*tmp_path.rglob("*"), *keys}
+
+    before = stored()
     for call in (
         lambda: store.put(agent_id, cache),
         lambda: store.get(agent_id),
@@ -78,7 +87,7 @@ def test_every_store_operation_refuses_hostile_ids_and_writes_nothing_outside(
         with pytest.raises(InvalidAgentIdError):
             call()
     store.close()
-    assert {p for p in tmp_path.rglob("*")} == before
+    assert stored() == before
 
 
 def test_files_live_only_under_hashed_names(tmp_path: Path) -> None:
