@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,6 @@ from engine.core.blocks import AgentCache
 from engine.core.params import SamplingParams
 from engine.kv.layered import KEEP_CHECKPOINTS
 from store.backend import BlockBackend
-from store.disk import DiskStore
 from tests.engine.test_families import prompt_of, run_all
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
@@ -91,22 +89,23 @@ def test_layered_caches_round_trip_bit_exact(backend_factory: Factory, arch: str
             assert [x.tobytes() for x in xs] == [y.tobytes() for y in ys]
 
 
-def test_a_version_2_cache_of_a_plain_model_still_reads(tmp_path: Path) -> None:
+def test_a_version_2_cache_of_a_plain_model_still_reads(backend_factory: Factory) -> None:
     """Plain full-attention specs, fingerprints and blocks did not change in version 3 (per-layer specs)."""
     from store.manifest import FORMAT_VERSION_NUMBER, _metadata_checksum
     from store.stfile import encode, parse_header, view
     from tests.store.conftest import assert_same_cache, make_cache, tiny_spec, tokens
+    from tests.store.test_corruption import Raw
 
     spec = tiny_spec()
-    store = DiskStore(tmp_path, spec)
+    store = backend_factory(spec)
     cache = make_cache(spec, tokens(40))
     store.put("a", cache)
-    (path,) = tmp_path.rglob("manifest.safetensors")
-    blob = path.read_bytes()
+    raw = Raw(store, "a")  # type: ignore[arg-type]
+    blob = raw.read(raw.manifest_location())
     metadata, entries, start = parse_header(blob)
     assert metadata["version"] == str(FORMAT_VERSION_NUMBER)
     metadata["version"] = "2"
     metadata["checksum"] = str(_metadata_checksum(metadata))
     header, buffers = encode([("token_ids", "I64", view(blob, entries["token_ids"], start))], metadata)
-    path.write_bytes(b"".join([header, *buffers]))
-    assert_same_cache(DiskStore(tmp_path, spec).get("a"), cache)
+    raw.write(raw.manifest_location(), b"".join([header, *buffers]))
+    assert_same_cache(backend_factory(spec).get("a"), cache)
