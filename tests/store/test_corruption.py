@@ -67,6 +67,14 @@ class Raw:
         else:
             self._redis().delete(location)
 
+    def make_unreadable(self, location: Location) -> None:
+        """Put there what no read of a value can take: a directory (EISDIR) or a hash (WRONGTYPE)."""
+        self.remove(location)
+        if isinstance(location, Path):
+            location.mkdir()
+        else:
+            self._redis().hset(location, "x", "y")
+
 
 def _flip(data: bytes, index: int) -> bytes:
     return data[:index] + bytes([data[index] ^ 0x01]) + data[index + 1 :]
@@ -170,15 +178,15 @@ def test_damage_is_a_logged_counted_miss(
     assert_same_cache(store.get(AGENT), cache)
 
 
-def test_unreadable_redis_value_of_another_type_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
-    import fakeredis
-
+@pytest.mark.parametrize("what", ["manifest", "block"])
+def test_an_unreadable_value_is_a_logged_counted_miss(
+    backend_factory: Factory, what: str, caplog: pytest.LogCaptureFixture
+) -> None:
     spec = tiny_spec()
-    store = RedisStore(fakeredis.FakeRedis(), spec)
+    store = backend_factory(spec)
     store.put(AGENT, make_cache(spec, tokens(40)))
-    key = store.keys.manifest(AGENT)
-    store._client.delete(key)
-    store._client.hset(key, "x", "y")  # GET now answers WRONGTYPE
+    raw = Raw(store, AGENT)
+    raw.make_unreadable(raw.manifest_location() if what == "manifest" else raw.block_locations()[0])
     with caplog.at_level(logging.WARNING, logger="kvrq.store"):
         assert store.get(AGENT) is None
     assert store.stats()["miss_backend_error"] == 1
@@ -192,18 +200,6 @@ def test_unreachable_redis_is_a_miss_not_a_crash() -> None:
     assert store.get(AGENT) is None
     assert store.stats()["miss_backend_error"] == 1
     store.close()
-
-
-def test_unreadable_block_file_is_a_miss(tmp_path: Path) -> None:
-    spec = tiny_spec()
-    store = DiskStore(tmp_path / "s", spec)
-    store.put(AGENT, make_cache(spec, tokens(40)))
-    block = Raw(store, AGENT).block_locations()[0]
-    assert isinstance(block, Path)
-    block.unlink()
-    block.mkdir()  # a directory where a file should be: reading it fails with EISDIR
-    assert store.get(AGENT) is None
-    assert store.stats()["miss_backend_error"] == 1
 
 
 def test_manifest_metadata_checksum_covers_every_field(backend_factory: Factory) -> None:
