@@ -29,18 +29,7 @@ from rq.serializers import resolve_serializer
 from producer import liveness, waits
 from producer.client import JobHandle
 from producer.conversation import read_conversation
-from producer.enqueue import (
-    DEFAULT_JOB_TIMEOUT,
-    JobWriter,
-    NoConnection,
-    Recorder,
-    agents_to_place,
-    alive_keys,
-    home_keys,
-    homes_of,
-    live_homes,
-    validated,
-)
+from producer.enqueue import DEFAULT_JOB_TIMEOUT, JobWriter, NoConnection, Recorder, placing, validated
 from producer.errors import JobFailedError, JobNotFoundError
 from producer.models import GenerationRequest, GenerationResult
 from producer.outcome import Replay
@@ -331,14 +320,10 @@ class AsyncProducer:
 
     async def _homes(self, requests: Sequence[GenerationRequest]) -> dict[str, str]:
         """Producer._homes, awaited: agent id -> the live worker holding its cache hot."""
-        agents = agents_to_place(requests, self.affinity)
-        if not agents:
-            return {}
-        homes = homes_of(agents, await self.connection.mget(home_keys(agents)))
-        workers, keys = alive_keys(homes)
-        if not workers:
-            return {}
-        return live_homes(homes, workers, await self.connection.mget(keys))
+        run = waits.Run(placing(requests, self.affinity))
+        while isinstance(step := run.step, waits.Read):
+            await run.settle_async(step.commands[0].on(self.connection))
+        return run.value
 
 
 __all__ = ["AsyncJobHandle", "AsyncProducer"]

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from redis import Redis
@@ -22,16 +23,7 @@ from rq.serializers import resolve_serializer
 
 from producer import liveness, outcome, waits
 from producer.conversation import read_conversation
-from producer.enqueue import (
-    DEFAULT_JOB_TIMEOUT,
-    JobWriter,
-    agents_to_place,
-    alive_keys,
-    home_keys,
-    homes_of,
-    live_homes,
-    validated,
-)
+from producer.enqueue import DEFAULT_JOB_TIMEOUT, JobWriter, placing, validated
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError, ResultTimeoutError
 from producer.liveness import job_wait_detail, no_worker_line, unheard_queue
 from producer.models import GenerationRequest, GenerationResult
@@ -337,12 +329,8 @@ class Producer:
         return [self.handle(job_id) for job_id in job_ids]
 
     def _homes(self, requests: Sequence[GenerationRequest]) -> dict[str, str]:
-        """agent id -> the live worker holding its cache hot, for the agents among `requests`."""
-        agents = agents_to_place(requests, self.affinity)
-        if not agents:
-            return {}
-        homes = homes_of(agents, self.connection.mget(home_keys(agents)))
-        workers, keys = alive_keys(homes)
-        if not workers:
-            return {}
-        return live_homes(homes, workers, self.connection.mget(keys))
+        """agent id -> the live worker holding its cache hot (enqueue.placing's reads, sent here)."""
+        run = waits.Run(placing(requests, self.affinity))
+        while isinstance(step := run.step, waits.Read):
+            run.settle(partial(step.commands[0].on, self.connection))
+        return run.value

@@ -16,6 +16,7 @@ from rq import Queue, Retry
 
 from producer.models import GenerationRequest
 from producer.tenants import Tenant
+from producer.waits import Wait, read
 from producer.wire.protocol import (
     JOB_FUNCTION,
     SERIALIZER,
@@ -96,6 +97,20 @@ def alive_keys(homes: Mapping[str, str]) -> tuple[list[str], list[str]]:
     """(the workers among `homes`, their liveness keys)."""
     workers = sorted({worker for worker in homes.values() if worker})
     return workers, [worker_alive_key(worker) for worker in workers]
+
+
+def placing(requests: Sequence[GenerationRequest], affinity: bool) -> Wait[dict[str, str]]:
+    """agent id -> the live worker holding its cache hot, for the agents among `requests` (none without
+    `affinity`): the agents' home keys read, then their workers' liveness keys. Sans-I/O (waits.py's
+    steps): each client sends the two MGETs its own way, inside its enqueue's retry."""
+    agents = agents_to_place(requests, affinity)
+    if not agents:
+        return {}
+    homes = homes_of(agents, (yield read("mget", home_keys(agents))))
+    workers, keys = alive_keys(homes)
+    if not workers:
+        return {}
+    return live_homes(homes, workers, (yield read("mget", keys)))
 
 
 def live_homes(homes: Mapping[str, str], workers: Sequence[str], beats: Sequence[Any]) -> dict[str, str]:

@@ -127,14 +127,15 @@ def quiet() -> None:
     """An `on_wait` that does nothing (no notice)."""
 
 
-def _one(name: str, *args: Any, **options: Any) -> Read:
+def read(name: str, *args: Any, **options: Any) -> Read:
+    """A Read of one command."""
     return Read((Command(name, args, options),))
 
 
 def _xread(key: str, last_id: bytes | str, block: float | None, count: int) -> Read:
     """Entries of one stream after `last_id`, waiting up to `block` seconds for the first (None: not)."""
     block_ms = None if block is None else max(1, int(block * 1000))
-    return _one("xread", {key: last_id}, block=block_ms, count=count)
+    return read("xread", {key: last_id}, block=block_ms, count=count)
 
 
 def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -153,7 +154,7 @@ def _late(job_id: str, timeout: float | None) -> Wait[ResultTimeoutError]:
 
 def status(job_id: str) -> Wait[str]:
     """rq's status string of the job; JobNotFoundError when it is not in Redis."""
-    found = outcome.status_text((yield _one("hget", Job.key_for(job_id), "status")))
+    found = outcome.status_text((yield read("hget", Job.key_for(job_id), "status")))
     if found is None:
         raise JobNotFoundError(f"no job {job_id} in Redis")
     return found
@@ -181,7 +182,7 @@ def result(
         # The results stream's last entry is read before the status: a result written after the
         # status read lies past it and wakes the wait below at once (read after the status, the
         # wait could take that very result for an old one and sleep a whole poll).
-        latest = yield _one("xrevrange", results_key, "+", "-", count=1)
+        latest = yield read("xrevrange", results_key, "+", "-", count=1)
         last_id = latest[0][0] if latest else "0-0"
         found = yield Outcome()
         if found is not None:

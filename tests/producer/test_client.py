@@ -25,9 +25,12 @@ from producer.wire.protocol import (
     JOB_FUNCTION,
     ErrorCode,
     StreamEvent,
+    agent_home_key,
     failure_of,
     last_line,
     stream_key,
+    worker_alive_key,
+    worker_queue_name,
 )
 from tests.producer.fakes import fail_like_rq, fake_redis
 
@@ -318,3 +321,17 @@ def test_an_async_result_written_just_after_the_status_read_wakes_the_wait_at_on
         return time.monotonic() - started
 
     assert asyncio.run(run()) < 0.5 and reads[0] is None
+
+
+def test_an_agents_job_goes_to_its_live_homes_queue_else_the_shared_one(producer: Producer) -> None:
+    """enqueue.placing's two reads (the agent's home, the home's heartbeat), sent by either client."""
+    producer.connection.set(agent_home_key("A"), "w1")
+    producer.connection.set(worker_alive_key("w1"), 1)
+    homed = producer.submit({"agent_id": "A", "prompt": "x"})
+    producer.connection.delete(worker_alive_key("w1"))
+    orphaned = producer.submit({"agent_id": "A", "prompt": "x"})
+    unplaced = Producer(connection=producer.connection, affinity=False).submit(
+        {"agent_id": "A", "prompt": "x"}
+    )
+    origins = [_json_job(producer, handle.id).origin for handle in (homed, orphaned, unplaced)]
+    assert origins == [worker_queue_name("kvrq", "w1"), "kvrq", "kvrq"]
