@@ -260,6 +260,7 @@ class Speculation:
         self._since_plain: dict[int, int] = {}
         self._turned_down = 0  # steps in a row whose drafts did not pay
         self._probe_every = PROBE_EVERY
+        self._last_drafted = False  # the last step recorded had drafts
 
     def plan(
         self, candidates: list[tuple[Any, RowSpeculation]], decode_rows: int, step: int, extra_s: float
@@ -328,8 +329,11 @@ class Speculation:
             self.stats.proposed += step.draft_tokens
             self.stats.accepted += step.accepted_tokens
         decode_rows, draft_tokens = step.decode_rows, step.draft_tokens
+        after_draft, self._last_drafted = self._last_drafted, bool(draft_tokens)
         if step.step_s <= 0 or decode_rows == 0 or step.prompt_tokens:
             return
+        if after_draft and not draft_tokens:
+            return  # it carries the drafted rows' copies back into the ShortSlots: not a plain step's cost
         self._since_plain[decode_rows] = self._since_plain.get(decode_rows, 0) + 1 if draft_tokens else 0
         self.times.record(decode_rows + draft_tokens, bool(draft_tokens), step.step_s)
 
