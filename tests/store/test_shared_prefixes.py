@@ -372,7 +372,7 @@ def test_without_scripting_an_agent_adopting_the_block_during_its_collection_kee
                 assert other.put("b", adopter)  # links the 4 stored prefix blocks
             return count
 
-        pipe.scard = check_then_adopt
+        pipe.scard = check_then_adopt  # type: ignore[method-assign,assignment]
         return pipe
 
     monkeypatch.setattr(store._client, "pipeline", pipeline_with_an_adoption)
