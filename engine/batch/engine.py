@@ -48,10 +48,9 @@ from engine.models.cache_layout import spec_from_model
 
 DEFAULT_POOL_MB = 2048
 DEFAULT_CONTEXT = 8192
-#: KVRQ_SPECULATION's default. The policy drafts only where the learnt step cost says it pays, but
-#: through the worker a drafted row that repeats a tool call and reaches max_tokens in one step ends
-#: `length` instead of `tool_calls` (worker/, being fixed there): True once that holds.
-SPECULATION_DEFAULT = False
+#: KVRQ_SPECULATION's default: on. The policy drafts only where the learnt step cost says it pays
+#: (engine/batch/speculation.py); KVRQ_SPECULATION=0 turns it off.
+SPECULATION_DEFAULT = True
 
 
 @dataclass
