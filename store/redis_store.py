@@ -20,8 +20,8 @@ WATCH on the manifest key: swaps in the manifest, makes the new blocks permanent
 and updates index, sizes and links. If another writer swapped the manifest meanwhile the
 transaction aborts and the put commits again (re-planned only if blocks it reused are
 gone), after a random pause, for up to RACE_BUDGET_S: last writer wins, never a mix.
-Reads pipeline GETs and receive each value straight into the block's buffer (store/resp.py),
-checksumming blocks as they complete.
+Reads pipeline GETs and receive each value straight into the block's buffer (store/redis_reads.py
+over store/resp.py), checksumming blocks as they complete.
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import redis
 from redis.exceptions import RedisError, WatchError
 
@@ -54,14 +52,11 @@ from store.backend import (
 from store.base import log
 from store.block_codec import EncodedBlock
 from store.budget import Usage
-from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
-from store.iopool import submit
 from store.manifest import (
     BlockRef,
     Manifest,
     parse_shared_name,
-    part_sizes,
     shared_name,
     stored_fence,
     summarize_manifest,
@@ -70,13 +65,13 @@ from store.prefix_holds import PrefixEntry, PrefixWrite, prefix_recency
 from store.redis_keys import (
     RedisKeys,
     as_blob,
-    join_parts,
     parse_links,
     parse_pointer,
     share_of,
     split_parts,
 )
 from store.redis_pins import PinnedKeys
+from store.redis_reads import fetch_into_place, fetch_with_client
 from store.redis_shared import PREFIX_HOLDER, SharedBlocks
 from store.replication import (
     UNREPLICATED_HOLD_S,
@@ -84,7 +79,7 @@ from store.replication import (
     backoff,
     confirm,
 )
-from store.resp import ScatterPacker, ScatterValue, get_into
+from store.resp import ScatterPacker, ScatterValue
 
 DEFAULT_PREFIX = "kvrq:cache:"
 #: Makes a client for a Redis URL, given redis-py pool options (the URL's own options win).
@@ -181,70 +176,8 @@ class RedisStore(BlockBackend):
         """Shared blocks' keys name no agent (RedisKeys.parts), so `agent_id` None reads them alike."""
         agent_id = agent_id or ""
         if self._scatter:
-            return self._fetch_into_place(agent_id, manifest, refs)
-        return self._fetch_with_client(agent_id, manifest, refs)
-
-    def _fetch_into_place(
-        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
-    ) -> builtins.list[tuple[Blob, int] | None]:
-        """Each block's values read straight into one buffer per block (resp.get_into); a block's
-        CRC-32 runs on a helper thread as soon as its last value is in, while the next arrive."""
-        buffers = [np.empty(ref.nbytes, dtype=np.uint8) for ref in refs]
-        requests: builtins.list[tuple[bytes, memoryview]] = []
-        last_part: dict[int, int] = {}  # request index -> the block it completes
-        for block, (ref, buffer) in enumerate(zip(refs, buffers, strict=True)):
-            keys = self.keys.parts(agent_id, ref.name, ref.nbytes, manifest.part_bytes)
-            view, offset = buffer.data, 0
-            for key, size in zip(keys, part_sizes(ref.nbytes, manifest.part_bytes), strict=True):
-                requests.append((key.encode(), view[offset : offset + size]))
-                offset += size
-            last_part[len(requests) - 1] = block
-        crcs: dict[int, Future[int]] = {}
-
-        def on_read(index: int) -> None:
-            block = last_part.get(index)
-            if block is not None:
-                crcs[block] = submit(crc32, buffers[block])
-
-        results = get_into(self._client.connection_pool, requests, on_read=on_read)
-        fetched: builtins.list[tuple[Blob, int] | None] = []
-        start = 0
-        for block, ref in enumerate(refs):
-            count = len(part_sizes(ref.nbytes, manifest.part_bytes))
-            parts, start = results[start : start + count], start + count
-            crc = crcs[block].result()
-            if any(part is None for part in parts):
-                fetched.append(None)
-            elif all(part is True for part in parts):
-                fetched.append((buffers[block].data, crc))
-            else:  # a value of another size: the block as stored, which decoding reports as truncated
-                blob = join_parts(buffers[block], ref.nbytes, manifest.part_bytes, parts)
-                fetched.append((blob, crc32(blob)))
-        return fetched
-
-    def _fetch_with_client(
-        self, agent_id: str, manifest: Manifest, refs: Sequence[BlockRef]
-    ) -> builtins.list[tuple[Blob, int] | None]:
-        """The same through the client's own pipeline (a client we were handed, e.g. fakeredis)."""
-        fetched: builtins.list[tuple[Blob, int] | None] = []
-        for chunk in _chunks(refs, _PIPELINE_BYTES // 2):
-            pipe = self._client.pipeline(transaction=False)
-            counts = []
-            for ref in chunk:
-                keys = self.keys.parts(agent_id, ref.name, ref.nbytes, manifest.part_bytes)
-                counts.append(len(keys))
-                for key in keys:
-                    pipe.get(key)
-            values = [as_blob(value) for value in pipe.execute()]
-            for count in counts:
-                parts, values = values[:count], values[count:]
-                if any(part is None for part in parts):
-                    fetched.append(None)
-                    continue
-                blob = parts[0] if count == 1 else b"".join(p for p in parts if p is not None)
-                assert blob is not None
-                fetched.append((blob, crc32(blob)))
-        return fetched
+            return fetch_into_place(self._client.connection_pool, self.keys, agent_id, manifest, refs)
+        return fetch_with_client(self._client, self.keys, agent_id, manifest, refs, _PIPELINE_BYTES // 2)
 
     # --- pins and TTLs (store/redis_pins.py) ----------------------------------------------------
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
@@ -728,14 +661,3 @@ def race_attempts(budget_s: float | None = None) -> Iterator[int]:
             return
         time.sleep(random.uniform(0, min(RACE_PAUSE_CAP_S, 0.001 * 2**attempt)))
         attempt += 1
-
-
-def _chunks(refs: Sequence[BlockRef], max_bytes: int) -> Iterator[Sequence[BlockRef]]:
-    start, size = 0, 0
-    for index, ref in enumerate(refs):
-        size += ref.nbytes
-        if size >= max_bytes:
-            yield refs[start : index + 1]
-            start, size = index + 1, 0
-    if start < len(refs):
-        yield refs[start:]
