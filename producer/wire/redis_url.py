@@ -355,13 +355,16 @@ class FailoverSentinelPool(SentinelConnectionPool):
     """A Sentinel pool of failover-aware connections that also carries the URL's WAIT setting."""
 
     def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
-        self.wait_replicas = int(kwargs.pop("wait_replicas", 0))
-        self.wait_timeout_ms = int(kwargs.pop("wait_timeout_ms", 0))
-        tls = kwargs.pop("ssl", False)
-        kwargs.setdefault(
-            "connection_class", FailoverSSLSentinelConnection if tls else FailoverSentinelConnection
-        )
+        take_sentinel_options(self, kwargs, FailoverSentinelConnection, FailoverSSLSentinelConnection)
         super().__init__(service_name, sentinel_manager, **kwargs)
+
+
+def take_sentinel_options(pool: Any, kwargs: dict[str, Any], plain: type, tls: type) -> None:
+    """Move the URL's WAIT setting out of a Sentinel pool's `kwargs` onto `pool`, and pick its
+    connection class (`tls` where the URL asked for TLS): the blocking and the asyncio pool alike."""
+    pool.wait_replicas = int(kwargs.pop("wait_replicas", 0))
+    pool.wait_timeout_ms = int(kwargs.pop("wait_timeout_ms", 0))
+    kwargs.setdefault("connection_class", tls if kwargs.pop("ssl", False) else plain)
 
 
 def _host_port(item: str, shown: str) -> tuple[str, int]:

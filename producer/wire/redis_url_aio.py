@@ -40,6 +40,7 @@ from producer.wire.redis_url import (
     log,
     parse_sentinel_url,
     sentinel_options_of,
+    take_sentinel_options,
 )
 
 T = TypeVar("T")
@@ -138,11 +139,8 @@ class AsyncFailoverSentinelPool(SentinelConnectionPool):
     """redis_url.FailoverSentinelPool for asyncio: failover-aware connections, the URL's WAIT setting."""
 
     def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
-        self.wait_replicas = int(kwargs.pop("wait_replicas", 0))
-        self.wait_timeout_ms = int(kwargs.pop("wait_timeout_ms", 0))
-        tls = kwargs.pop("ssl", False)
-        kwargs.setdefault(
-            "connection_class", AsyncFailoverSSLSentinelConnection if tls else AsyncFailoverSentinelConnection
+        take_sentinel_options(
+            self, kwargs, AsyncFailoverSentinelConnection, AsyncFailoverSSLSentinelConnection
         )
         super().__init__(service_name, sentinel_manager, **kwargs)
 
