@@ -140,6 +140,17 @@ def connect(url: str, **pool_options: Any) -> Redis:
         raise RedisURLError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
 
 
+def check_plain_url(url: str) -> None:
+    """Refuse a URL that is neither Sentinel nor one redis-py's pools take as meant (both clients)."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise RedisURLError(
+            f"unknown Redis URL {redact_url(url)!r}: use redis://, rediss://, unix:// or "
+            "redis+sentinel://HOST:PORT,.../MASTER"
+        )
+    if not url.startswith("unix://") and urlsplit(url).port == 0:  # .port: ValueError when out of range
+        raise ValueError("port 0 (redis-py would silently use 6379)")
+
+
 def _client(url: str, pool_options: dict[str, Any]) -> Redis:
     if is_sentinel_url(url):
         target = parse_sentinel_url(url)
@@ -154,13 +165,7 @@ def _client(url: str, pool_options: dict[str, Any]) -> Redis:
             **options,
         )
         return client
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise RedisURLError(
-            f"unknown Redis URL {redact_url(url)!r}: use redis://, rediss://, unix:// or "
-            "redis+sentinel://HOST:PORT,.../MASTER"
-        )
-    if not url.startswith("unix://") and urlsplit(url).port == 0:  # .port: ValueError when out of range
-        raise ValueError("port 0 (redis-py would silently use 6379)")
+    check_plain_url(url)
     kwargs = parse_url(url)
     plain = {Connection: FailoverConnection, SSLConnection: FailoverSSLConnection}
     connection_class = kwargs.get("connection_class", Connection)

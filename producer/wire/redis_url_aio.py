@@ -12,7 +12,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import (
@@ -34,6 +33,7 @@ from producer.wire.redis_url import (
     PrimaryUnreachableError,
     RedisURLError,
     WriteRefusedError,
+    check_plain_url,
     check_replicated,
     is_failover_reply,
     is_sentinel_url,
@@ -75,13 +75,7 @@ def _client(url: str, pool_options: dict[str, Any], wait_for_connection: bool) -
             **options,
         )
         return client
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise RedisURLError(
-            f"unknown Redis URL {redact_url(url)!r}: use redis://, rediss://, unix:// or "
-            "redis+sentinel://HOST:PORT,.../MASTER"
-        )
-    if not url.startswith("unix://") and urlsplit(url).port == 0:
-        raise ValueError("port 0 (redis-py would silently use 6379)")
+    check_plain_url(url)
     kwargs = parse_url(url)
     plain = {Connection: AsyncFailoverConnection, SSLConnection: AsyncFailoverSSLConnection}
     connection_class = kwargs.get("connection_class", Connection)
