@@ -16,25 +16,8 @@ from rq.worker import BaseWorker, Worker
 from producer.client import JobFailedError, JobHandle, Producer, ResultTimeoutError
 from producer.liveness import WorkerWatch, live_workers
 from producer.models import GenerationRequest, GenerationResult
-from producer.wire.protocol import (
-    CACHE_HITS_FIELD,
-    CACHE_LOOKUPS_FIELD,
-    CAPACITY_FIELD,
-    FREE_BLOCKS_FIELD,
-    HOT_AGENTS_FIELD,
-    HOT_HITS_FIELD,
-    LATENCY_FIELD,
-    MAX_BATCH_FIELD,
-    MEMORY_FIELD,
-    MODEL_FIELD,
-    POOL_BLOCKS_FIELD,
-    PROMPT_TOKENS_FIELD,
-    REUSED_TOKENS_FIELD,
-    RUNNING_FIELD,
-    SERIALIZER,
-    WAITING_FIELD,
-    worker_alive_key,
-)
+from producer.wire import protocol as wire
+from producer.wire.protocol import SERIALIZER, worker_alive_key
 from producer.wire.redis_url import connect
 from producer.wire.text import as_text
 from worker.fleet.latency import percentiles
@@ -129,12 +112,21 @@ def worker_lines(connection: Redis, worker: BaseWorker) -> list[str]:
     job_ids = [execution.job_id for execution in worker.get_current_executions(refresh=True)]
     beat = worker.last_heartbeat
     ago = f"{(datetime.now(timezone.utc) - beat).total_seconds():.0f} s ago" if beat else "never"
-    if MODEL_FIELD in fields:
+    if wire.MODEL_FIELD in fields:
+        running, waiting, capacity, max_batch, free, pool = (
+            fields.get(name, "?")
+            for name in (
+                wire.RUNNING_FIELD,
+                wire.WAITING_FIELD,
+                wire.CAPACITY_FIELD,
+                wire.MAX_BATCH_FIELD,
+                wire.FREE_BLOCKS_FIELD,
+                wire.POOL_BLOCKS_FIELD,
+            )
+        )
         holds = (
-            f"holds {fields.get(RUNNING_FIELD, '?')} running + {fields.get(WAITING_FIELD, '?')} waiting "
-            f"(capacity {fields.get(CAPACITY_FIELD, '?')}, max_batch {fields.get(MAX_BATCH_FIELD, '?')}), "
-            f"KV pool {fields.get(FREE_BLOCKS_FIELD, '?')}/{fields.get(POOL_BLOCKS_FIELD, '?')} blocks free, "
-            f"model {fields[MODEL_FIELD]}, {cache_line(fields)}"
+            f"holds {running} running + {waiting} waiting (capacity {capacity}, max_batch {max_batch}), "
+            f"KV pool {free}/{pool} blocks free, model {fields[wire.MODEL_FIELD]}, {cache_line(fields)}"
         )
     else:
         holds = f"plain rq worker, {len(job_ids)} execution(s)"
@@ -142,9 +134,9 @@ def worker_lines(connection: Redis, worker: BaseWorker) -> list[str]:
         f"worker {worker.name} ({worker.hostname}, pid {worker.pid}): {worker.get_state()}, {holds}, "
         f"queues {','.join(worker.queue_names())}, last heartbeat {ago}"
     ]
-    if fields.get(MEMORY_FIELD):
-        lines.append(f"  memory: {memory_line(fields[MEMORY_FIELD])}")
-    if latency := latency_line(fields.get(LATENCY_FIELD)):
+    if fields.get(wire.MEMORY_FIELD):
+        lines.append(f"  memory: {memory_line(fields[wire.MEMORY_FIELD])}")
+    if latency := latency_line(fields.get(wire.LATENCY_FIELD)):
         lines.append(f"  latency p50/p95: {latency}")
     if job_ids:
         listed = ", ".join(job_ids[:MAX_LISTED_JOBS])
@@ -191,12 +183,12 @@ def cache_line(fields: Mapping[str, str | None]) -> str:
         value = fields.get(field)
         return int(value) if value and value.isdigit() else 0
 
-    lookups, prompt = number(CACHE_LOOKUPS_FIELD), number(PROMPT_TOKENS_FIELD)
-    hot = f"{number(HOT_HITS_FIELD) / lookups:.0%}" if lookups else "-"
-    cache = f"{number(CACHE_HITS_FIELD) / lookups:.0%}" if lookups else "-"
-    reused = f"{number(REUSED_TOKENS_FIELD) / prompt:.0%}" if prompt else "-"
+    lookups, prompt = number(wire.CACHE_LOOKUPS_FIELD), number(wire.PROMPT_TOKENS_FIELD)
+    hot = f"{number(wire.HOT_HITS_FIELD) / lookups:.0%}" if lookups else "-"
+    cache = f"{number(wire.CACHE_HITS_FIELD) / lookups:.0%}" if lookups else "-"
+    reused = f"{number(wire.REUSED_TOKENS_FIELD) / prompt:.0%}" if prompt else "-"
     return (
-        f"{number(HOT_AGENTS_FIELD)} hot agent(s), cache hits {cache} of {lookups} lookups "
+        f"{number(wire.HOT_AGENTS_FIELD)} hot agent(s), cache hits {cache} of {lookups} lookups "
         f"(hot tier {hot}), prompt tokens reused {reused}"
     )
 

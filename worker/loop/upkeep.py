@@ -11,24 +11,7 @@ from collections.abc import Iterator
 
 from rq.job import JobStatus
 
-from producer.wire.protocol import (
-    CACHE_HITS_FIELD,
-    CACHE_LOOKUPS_FIELD,
-    CAPACITY_FIELD,
-    CONTEXT_FIELD,
-    FREE_BLOCKS_FIELD,
-    HOT_AGENTS_FIELD,
-    HOT_HITS_FIELD,
-    LATENCY_FIELD,
-    MAX_BATCH_FIELD,
-    MEMORY_FIELD,
-    MODEL_FIELD,
-    POOL_BLOCKS_FIELD,
-    PROMPT_TOKENS_FIELD,
-    REUSED_TOKENS_FIELD,
-    RUNNING_FIELD,
-    WAITING_FIELD,
-)
+from producer.wire import protocol as wire
 from worker.fleet.agent_turns import AgentTurns
 from worker.fleet.latency import LatencyHistograms
 from worker.fleet.liveness import LivenessBeacon
@@ -116,19 +99,19 @@ class Upkeep:
         """What kvrq adds to its rq worker hash: capacity for producers, load for `kvrq status`."""
         store_stats = self.store.stats() if self.store is not None else {}
         return {
-            CAPACITY_FIELD: self.settings.held_limit,
-            MODEL_FIELD: self.model_name,
-            CONTEXT_FIELD: self.engine.max_context,
-            MAX_BATCH_FIELD: self.settings.max_batch,
-            POOL_BLOCKS_FIELD: self.engine.pool.total_blocks,
-            FREE_BLOCKS_FIELD: self.engine.pool.free_blocks,
-            RUNNING_FIELD: len(self.scheduler.running),
-            WAITING_FIELD: len(self.scheduler.waiting),
-            PROMPT_TOKENS_FIELD: self.counts["prompt_tokens"],
-            REUSED_TOKENS_FIELD: self.counts["reused_tokens"],
+            wire.CAPACITY_FIELD: self.settings.held_limit,
+            wire.MODEL_FIELD: self.model_name,
+            wire.CONTEXT_FIELD: self.engine.max_context,
+            wire.MAX_BATCH_FIELD: self.settings.max_batch,
+            wire.POOL_BLOCKS_FIELD: self.engine.pool.total_blocks,
+            wire.FREE_BLOCKS_FIELD: self.engine.pool.free_blocks,
+            wire.RUNNING_FIELD: len(self.scheduler.running),
+            wire.WAITING_FIELD: len(self.scheduler.waiting),
+            wire.PROMPT_TOKENS_FIELD: self.counts["prompt_tokens"],
+            wire.REUSED_TOKENS_FIELD: self.counts["reused_tokens"],
             **_cache_fields(store_stats),
-            MEMORY_FIELD: memory_field(self.engine.memory(), store_stats),
-            LATENCY_FIELD: self.latency.field(),
+            wire.MEMORY_FIELD: memory_field(self.engine.memory(), store_stats),
+            wire.LATENCY_FIELD: self.latency.field(),
         }
 
     def _check_crashes(self) -> None:
@@ -148,8 +131,8 @@ class Upkeep:
 def _cache_fields(stats: dict[str, int]) -> dict[str, int]:
     hot_hits, hot_misses = stats.get("hot_hits", 0), stats.get("hot_misses", 0)
     return {
-        HOT_AGENTS_FIELD: stats.get("hot_entries", 0),
-        CACHE_LOOKUPS_FIELD: hot_hits + hot_misses,
-        HOT_HITS_FIELD: hot_hits,
-        CACHE_HITS_FIELD: hot_hits + stats.get("hits", 0),
+        wire.HOT_AGENTS_FIELD: stats.get("hot_entries", 0),
+        wire.CACHE_LOOKUPS_FIELD: hot_hits + hot_misses,
+        wire.HOT_HITS_FIELD: hot_hits,
+        wire.CACHE_HITS_FIELD: hot_hits + stats.get("hits", 0),
     }

@@ -16,24 +16,8 @@ from rq import Worker
 from producer import client
 from producer.client import Producer
 from producer.models import GenerationRequest
-from producer.wire.protocol import (
-    CACHE_HITS_FIELD,
-    CACHE_LOOKUPS_FIELD,
-    CAPACITY_FIELD,
-    FREE_BLOCKS_FIELD,
-    HOT_AGENTS_FIELD,
-    HOT_HITS_FIELD,
-    LATENCY_FIELD,
-    MAX_BATCH_FIELD,
-    MEMORY_FIELD,
-    MODEL_FIELD,
-    POOL_BLOCKS_FIELD,
-    PROMPT_TOKENS_FIELD,
-    REUSED_TOKENS_FIELD,
-    RUNNING_FIELD,
-    WAITING_FIELD,
-    worker_alive_key,
-)
+from producer.wire import protocol as wire
+from producer.wire.protocol import worker_alive_key
 from tests.producer.fakes import fake_redis
 from tests.worker.harness import Harness
 from worker.cli import commands
@@ -95,9 +79,8 @@ def test_generate_reports_a_failed_job(h: Harness) -> None:
 
 def test_status_shows_queues_and_workers(h: Harness) -> None:
     Producer(connection=h.producer.connection).submit({"prompt": "x"})
-    h.redis.hset(
-        h.loop.worker.key, mapping=h.loop.upkeep.worker_fields()
-    )  # what start() adds after register_birth()
+    # what start() adds after register_birth()
+    h.redis.hset(h.loop.worker.key, mapping=h.loop.upkeep.worker_fields())  # type: ignore[arg-type]
     out = io.StringIO()
     assert commands.status("redis://fake", None, out=out) == 0
     text = out.getvalue()
@@ -114,15 +97,25 @@ def test_status_shows_what_each_worker_holds_and_unserved_queues(monkeypatch: py
     producer.submit({"prompt": "d", "queue": "orphans"})
     kvrq = Worker(["kvrq"], name="kvrq-w1", connection=connection, serializer="json")
     kvrq.register_birth()
-    fields = {MODEL_FIELD: "smollm2-135m", MAX_BATCH_FIELD: 16, CAPACITY_FIELD: 32, RUNNING_FIELD: 2}
-    fields |= {WAITING_FIELD: 1, POOL_BLOCKS_FIELD: 512, FREE_BLOCKS_FIELD: 400}
-    fields |= {HOT_AGENTS_FIELD: 3, CACHE_LOOKUPS_FIELD: 8, HOT_HITS_FIELD: 4, CACHE_HITS_FIELD: 6}
-    fields |= {PROMPT_TOKENS_FIELD: 1000, REUSED_TOKENS_FIELD: 900}
-    fields |= {MEMORY_FIELD: json.dumps({"rss": 1210.4, "mlx_active": 900.0, "hot_tier": 64.0})}
+    fields = {
+        wire.MODEL_FIELD: "smollm2-135m",
+        wire.MAX_BATCH_FIELD: 16,
+        wire.CAPACITY_FIELD: 32,
+        wire.RUNNING_FIELD: 2,
+    }
+    fields |= {wire.WAITING_FIELD: 1, wire.POOL_BLOCKS_FIELD: 512, wire.FREE_BLOCKS_FIELD: 400}
+    fields |= {
+        wire.HOT_AGENTS_FIELD: 3,
+        wire.CACHE_LOOKUPS_FIELD: 8,
+        wire.HOT_HITS_FIELD: 4,
+        wire.CACHE_HITS_FIELD: 6,
+    }
+    fields |= {wire.PROMPT_TOKENS_FIELD: 1000, wire.REUSED_TOKENS_FIELD: 900}
+    fields |= {wire.MEMORY_FIELD: json.dumps({"rss": 1210.4, "mlx_active": 900.0, "hot_tier": 64.0})}
     latency = LatencyHistograms()
     for first_token in (0.3,) * 19 + (8.0,):
         latency.observe({"first_token": first_token, "total": 20.0}, outcome="finished", cache="hit")
-    fields |= {LATENCY_FIELD: latency.field()}
+    fields |= {wire.LATENCY_FIELD: latency.field()}
     connection.hset(kvrq.key, mapping=fields)  # type: ignore[arg-type]
     connection.set(worker_alive_key("kvrq-w1"), "1")  # its liveness beacon
     Worker(["kvrq"], name="plain-w2", connection=connection, serializer="json").register_birth()
