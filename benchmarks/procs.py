@@ -55,11 +55,13 @@ def redis_server() -> str:
 class RedisProcess:
     """redis-server on 127.0.0.1; `persistent` keeps its data (AOF) across stop/start on the same port."""
 
-    def __init__(self, workdir: Path, *, persistent: bool = False, binary: str | None = None) -> None:
+    def __init__(
+        self, workdir: Path, *, persistent: bool = False, binary: str | None = None, port: int | None = None
+    ) -> None:
         self.binary = binary or redis_server()
         self.workdir = workdir
         self.persistent = persistent
-        self.port = free_port()
+        self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,9 +91,13 @@ class RedisProcess:
         wait_for(lambda: accepts(self.port), 10, "redis-server did not start")
         wait_for(lambda: _loaded(self.url), 10, "redis-server did not load its data")
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """Stop it (`kill`: SIGKILL, as a crash would, instead of a clean SIGTERM)."""
         if self.proc is not None:
-            self.proc.terminate()
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
 

@@ -6,12 +6,12 @@ import os
 import random
 import shutil
 import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from benchmarks.procs import RedisProcess
 
 REAL_MODEL_FIXTURES = frozenset({"smollm2"})
 REDIS_SERVER_HINT = "apt-get install redis-server; macOS: brew install redis"
@@ -91,55 +91,13 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {_SERVER_PORTS}")
 
 
-class RedisServer:
-    """A redis-server child process on 127.0.0.1, owned by one test (or session)."""
+class RedisServer(RedisProcess):
+    """benchmarks/procs.py's redis-server with the tests' rules: a missing binary is skipped locally and
+    failed under CI, and the port is taken outside the ephemeral range (free_port above)."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.binary = require_binary("redis-server", REDIS_SERVER_HINT)
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is None:
-            return
-        if kill:
-            self.proc.kill()
-        else:
-            self.proc.terminate()
-        self.proc.wait(timeout=10)
-        self.proc = None
+    def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
+        binary = require_binary("redis-server", REDIS_SERVER_HINT)
+        super().__init__(workdir, persistent=persistent, binary=binary, port=free_port())
 
 
 @pytest.fixture(scope="session")

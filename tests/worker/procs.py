@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-from benchmarks import procs as shared
 from benchmarks.procs import ROOT, WorkerProcess, wait_for
-from tests.conftest import REDIS_SERVER_HINT, require_binary
+from tests.conftest import RedisServer
 
 __all__ = ["ROOT", "RedisProcess", "WorkerProcess", "wait_for", "worker_per_queue"]
 
 
-class RedisProcess(shared.RedisProcess):
-    def __init__(self, workdir: Path, *, persistent: bool = False) -> None:
-        binary = require_binary("redis-server", REDIS_SERVER_HINT)
-        super().__init__(workdir, persistent=persistent, binary=binary)
+#: The tests' redis-server (tests/conftest.py), under the name the benchmarks give it.
+RedisProcess = RedisServer
 
 
 @contextlib.contextmanager
