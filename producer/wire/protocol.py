@@ -7,9 +7,9 @@ a key or field renamed here changes for both at once.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from producer.wire.text import as_text
 
@@ -126,6 +126,43 @@ EventKind = Literal["start", "delta", "reasoning", "tool_call", "logprobs", "end
 
 
 @dataclass(frozen=True)
+class _Codec:
+    """How one StreamEvent attribute travels as a stream field: `write` gives None to leave it out."""
+
+    write: Callable[[Any], str | None]
+    read: Callable[[str | None], Any]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _token(token: int) -> int | None:
+    return None if token < 0 else token
+
+
+_TEXT = _Codec(lambda v: v or "", lambda raw: raw or "")
+_OPTIONAL_TEXT = _Codec(lambda v: v or "", lambda raw: raw or None)  # "" on the wire is None
+_TEXT_IF_SET = _Codec(lambda v: v, lambda raw: raw or None)  # absent for None (older readers)
+_TOKEN = _Codec(lambda v: str(-1 if v is None else v), lambda raw: _token(int(raw or -1)))  # -1 is None
+_JSON = _Codec(_json, lambda raw: json.loads(raw or "{}"))
+_JSON_IF_SET = _Codec(
+    lambda v: None if v is None else _json(v), lambda raw: None if raw is None else json.loads(raw)
+)
+
+#: Each event kind's stream fields besides "e" (the kind): (StreamEvent attribute, field, codec).
+_LAYOUT: dict[str, tuple[tuple[str, str, _Codec], ...]] = {
+    "start": (("attempt", "attempt", _OPTIONAL_TEXT),),
+    "delta": (("text", "t", _TEXT), ("token", "tok", _TOKEN)),
+    "reasoning": (("text", "t", _TEXT),),
+    "tool_call": (("data", "data", _JSON),),
+    "logprobs": (("data", "data", _JSON),),
+    "end": (("finish_reason", "reason", _OPTIONAL_TEXT), ("data", "data", _JSON_IF_SET)),
+    "error": (("error", "error", _TEXT), ("code", "code", _TEXT_IF_SET)),
+}
+
+
+@dataclass(frozen=True)
 class StreamEvent:
     """One entry of a job's stream.
 
@@ -150,41 +187,21 @@ class StreamEvent:
     code: str | None = None
 
     def to_fields(self) -> dict[str, str]:
-        if self.kind == "start":
-            return {"e": "start", "attempt": self.attempt or ""}
-        if self.kind == "delta":
-            return {"e": "delta", "t": self.text, "tok": str(self.token if self.token is not None else -1)}
-        if self.kind == "reasoning":
-            return {"e": "reasoning", "t": self.text}
-        if self.kind in ("tool_call", "logprobs"):
-            return {"e": self.kind, "data": json.dumps(self.data, ensure_ascii=False)}
-        if self.kind == "end":
-            end = {"e": "end", "reason": self.finish_reason or ""}
-            return end if self.data is None else {**end, "data": json.dumps(self.data, ensure_ascii=False)}
-        error = {"e": "error", "error": self.error or ""}
-        return error if self.code is None else {**error, "code": self.code}
+        fields: dict[str, str] = {"e": self.kind}
+        for attribute, field, codec in _LAYOUT[self.kind]:
+            value = codec.write(getattr(self, attribute))
+            if value is not None:
+                fields[field] = value
+        return fields
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes] | dict[str, str]) -> StreamEvent:
         data = {as_text(k): as_text(v) for k, v in fields.items()}
-        kind = data.get("e")
-        if kind == "start":
-            return cls("start", attempt=data.get("attempt") or None)
-        if kind == "delta":
-            token = int(data.get("tok", "-1"))
-            return cls("delta", text=data.get("t", ""), token=None if token < 0 else token)
-        if kind == "reasoning":
-            return cls("reasoning", text=data.get("t", ""))
-        if kind == "tool_call":
-            return cls("tool_call", data=json.loads(data.get("data", "{}")))
-        if kind == "logprobs":
-            return cls("logprobs", data=json.loads(data.get("data", "{}")))
-        if kind == "end":
-            carried = json.loads(data["data"]) if "data" in data else None
-            return cls("end", finish_reason=data.get("reason") or None, data=carried)
-        if kind == "error":
-            return cls("error", error=data.get("error", ""), code=data.get("code") or None)
-        raise ValueError(f"unknown stream event {data!r}")
+        kind = data.get("e", "")
+        if kind not in _LAYOUT:
+            raise ValueError(f"unknown stream event {data!r}")
+        values = {attribute: codec.read(data.get(field)) for attribute, field, codec in _LAYOUT[kind]}
+        return cls(cast(EventKind, kind), **values)
 
     @property
     def final(self) -> bool:
