@@ -33,7 +33,7 @@ from producer.wire.ids import validate_agent_id
 from store import layered_codec, quant
 from store.base import BACKEND_COUNTERS, CacheInfo, Stats, log, note_miss, record_miss, shared_prefix
 from store.block_codec import EncodedBlock, decode_block, encode_block
-from store.budget import ByteBudget
+from store.budget import ByteBudget, split_shared
 from store.errors import (
     ABSENT,
     BACKEND_ERROR,
@@ -53,7 +53,6 @@ from store.manifest import (
     decode_manifest,
     encode_manifest,
     new_generation,
-    parse_shared_name,
     share_keys,
     shared_name,
     stored_fence,
@@ -151,6 +150,7 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         max_bytes: int | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         prefix_max_bytes: int | None = None,
+        ttl_s: float | None = None,
     ) -> None:
         check_namespace(namespace)
         quant.check_quantization(quantization, group_size, layered_codec.head_dims(spec))
@@ -158,6 +158,9 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if prefix_max_bytes is None:
             prefix_max_bytes = DEFAULT_PREFIX_BYTES if max_bytes is None else max_bytes // 4
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.ttl_s = ttl_s  # an agent unused this long expires, unless pinned (None: never)
         if prefix_max_bytes < 0:
             raise ValueError(
                 f"prefix_max_bytes must be >= 0 (0: no anonymous prefixes), got {prefix_max_bytes}"
@@ -196,10 +199,10 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         """The agent's manifest as stored, its last use and whether it is pinned, read together (one
         round trip in Redis); None if absent (or expired)."""
 
-    @abstractmethod
     def _handle(self, agent_id: str) -> str:
-        """The handle `_remove` and `Usage` know the agent by (disk: a key that also names a damaged
-        cache whose manifest no longer says its agent)."""
+        """The handle `_remove` and `Usage` know the agent by: its id, unless the backend keys agents
+        otherwise (disk: a key that also names a damaged cache whose manifest no longer says its agent)."""
+        return agent_id
 
     @abstractmethod
     def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
@@ -210,10 +213,10 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
         """`put` once its arguments are checked (a replicated Redis confirms it on its replicas)."""
         return self._commit_put(agent_id, cache, fence, namespace) is not None
 
-    @abstractmethod
     def list(self) -> builtins.list[str]:
-        """Every agent with a readable manifest: a scan of the agents' directories on disk, the
-        index in Redis (each backend's own way to enumerate what it holds)."""
+        """Every agent the store holds and has not expired: what the budget sees (`_usage`), less the
+        damaged caches that no longer name their agent."""
+        return sorted(entry.agent_id for entry in self._usage() if entry.agent_id is not None)
 
     def close(self) -> None:
         """Release the backend's connections (nothing to release where every put is durable on return)."""
@@ -264,7 +267,7 @@ class BlockBackend(PrefixHolds, ByteBudget, ABC):
             last_used=last_used,
             quantization=summary.quantization,
             n_blocks=summary.n_blocks,
-            shared_blocks=sum(1 for name, _ in summary.blocks if parse_shared_name(name)),
+            shared_blocks=len(split_shared(summary.blocks)[1]),
             pinned=pinned,
             namespace=summary.namespace,
         )

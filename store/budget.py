@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from store.base import Stats, log
+from store.manifest import parse_shared_name
 
 BUDGET_RESCAN_S = 5.0
 
@@ -28,6 +30,18 @@ class Usage:
     # freed with their last user.
     shared: tuple[tuple[str, int], ...] = ()
     pinned: bool = False  # never evicted
+
+
+def split_shared(blocks: Iterable[tuple[str, int]]) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """The bytes of a manifest's own blocks, and the (name, bytes) of the shared ones it uses: a budget
+    counts the first per agent (`Usage.nbytes`, with the manifest), the second once for all users."""
+    own, shared = 0, []
+    for name, nbytes in blocks:
+        if parse_shared_name(name) is None:
+            own += nbytes
+        else:
+            shared.append((name, nbytes))
+    return own, tuple(shared)
 
 
 class ByteBudget(ABC):

@@ -44,7 +44,7 @@ from store.backend import (
 )
 from store.base import log
 from store.block_codec import EncodedBlock
-from store.budget import Usage
+from store.budget import Usage, split_shared
 from store.checksum import crc32
 from store.errors import BadCacheError, StoreError
 from store.iopool import map_parallel, submit
@@ -89,10 +89,8 @@ class DiskStore(BlockBackend):
             max_bytes=max_bytes,
             namespace=namespace,
             prefix_max_bytes=prefix_max_bytes,
+            ttl_s=ttl_s,
         )
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        self.ttl_s = ttl_s
         self.root = Path(path).expanduser().resolve()
         self.fsync = fsync
         self._agents = self.root / "agents"
@@ -146,13 +144,19 @@ class DiskStore(BlockBackend):
 
     # --- raw reads -----------------------------------------------------------------------------
     def _read_manifest(self, agent_id: str) -> Blob | None:
-        key = agent_key(agent_id)
+        record = self._record(agent_key(agent_id))
+        return None if record is None else record[0]
+
+    def _record(self, key: str) -> tuple[bytes, float] | None:
+        """The manifest under `key` and its last use (its mtime); None if absent. The TTL is checked
+        wherever a manifest is read: an expired one is removed here."""
         path = self._dir(key) / MANIFEST
         try:
-            if self._expired(key, path.stat().st_mtime):
+            last_used = path.stat().st_mtime
+            if self._expired(key, last_used):
                 self._expire(key)
                 return None
-            return _read_file(path)
+            return _read_file(path), last_used
         except FileNotFoundError:
             return None
 
@@ -521,31 +525,15 @@ class DiskStore(BlockBackend):
         self._release_shared(held)
         return existed
 
-    def _manifests(self) -> Iterator[tuple[str, Path]]:
+    def _keys(self) -> Iterator[str]:
         for shard in _scandir(self._agents):
             for agent in _scandir(Path(shard.path)):
-                yield agent.name, Path(agent.path) / MANIFEST
-
-    def list(self) -> list[str]:
-        ids = []
-        for _key, path in self._manifests():
-            try:
-                ids.append(summarize_manifest(_read_file(path)).agent_id)
-            except (FileNotFoundError, BadCacheError):
-                continue
-        return sorted(ids)
+                yield agent.name
 
     def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
         key = agent_key(agent_id)
-        path = self._dir(key) / MANIFEST
-        try:
-            blob = _read_file(path)
-            last_used = path.stat().st_mtime
-        except FileNotFoundError:
-            return None
-        if self._expired(key, last_used):
-            return None
-        return blob, last_used, self._pinned(key)
+        record = self._record(key)
+        return None if record is None else (*record, self._pinned(key))
 
     def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
         """The `pinned` file: written under the agent's lock (a delete or an expiry of this agent runs
@@ -565,24 +553,19 @@ class DiskStore(BlockBackend):
 
     def _usage(self) -> builtins.list[Usage]:
         usage = []
-        for key, path in self._manifests():
-            try:
-                blob = _read_file(path)
-                last_used = path.stat().st_mtime
-            except FileNotFoundError:
-                continue  # being written for the first time, or deleted meanwhile
-            if self._expired(key, last_used):
-                self._expire(key)
-                continue
+        for key in self._keys():
+            record = self._record(key)
+            if record is None:
+                continue  # being written for the first time, deleted meanwhile, or expired
+            blob, last_used = record
             try:
                 summary = summarize_manifest(blob)
-                shared = tuple((name, n) for name, n in summary.blocks if parse_shared_name(name))
-                own = summary.block_bytes - sum(n for _, n in shared)
+                own, shared = split_shared(summary.blocks)
                 pinned = self._pinned(key)
                 usage.append(Usage(key, summary.agent_id, own + len(blob), last_used, shared, pinned))
             except BadCacheError:
                 # A damaged cache still takes space: count what its directory holds.
-                usage.append(Usage(key, None, _tree_bytes(path.parent), last_used))
+                usage.append(Usage(key, None, _tree_bytes(self._dir(key)), last_used))
         return usage
 
 

@@ -51,7 +51,7 @@ from store.backend import (
 )
 from store.base import log
 from store.block_codec import EncodedBlock
-from store.budget import Usage
+from store.budget import Usage, split_shared
 from store.errors import BadCacheError, StoreError
 from store.manifest import (
     BlockRef,
@@ -101,6 +101,7 @@ MAX_VALUE_BYTES = 4_000_000
 
 class RedisStore(BlockBackend):
     kind = "redis"
+    ttl_s: int | None  # EXPIRE takes whole seconds
 
     def __init__(
         self,
@@ -126,12 +127,10 @@ class RedisStore(BlockBackend):
             max_bytes=max_bytes,
             namespace=namespace,
             prefix_max_bytes=prefix_max_bytes,
+            ttl_s=ttl_s,
         )
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if value_bytes < 1024:
             raise ValueError(f"value_bytes must be at least 1024, got {value_bytes}")
-        self.ttl_s = ttl_s
         self.part_bytes = value_bytes
         self.prefix = prefix
         if isinstance(url, str):
@@ -390,6 +389,7 @@ class RedisStore(BlockBackend):
         old_own, old_shared, old_part_bytes = self._stored_blocks(agent_id, current)
         own = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is None]
         shared = [ref for ref in manifest.blocks if parse_shared_name(ref.name) is not None]
+        own_bytes, links = split_shared((ref.name, ref.nbytes) for ref in manifest.blocks)
         own_keys = self.keys.of_refs(agent_id, own, manifest.part_bytes)
         written = set(
             self.keys.of_refs(agent_id, [block.ref() for block in plan.new_blocks], self.part_bytes)
@@ -398,7 +398,6 @@ class RedisStore(BlockBackend):
         stale = [key for key in old_own if key not in keeps]
         names = {ref.name for ref in shared}
         released = [(ref, old_part_bytes) for ref in old_shared if ref.name not in names]
-        own_bytes = manifest.block_bytes - sum(ref.nbytes for ref in shared) + len(manifest_blob)
         scripted = self.shared_blocks.supports_scripts()
         tx.multi()
         tx.set(self.keys.manifest(agent_id), manifest_blob, ex=self.ttl_s)
@@ -408,7 +407,7 @@ class RedisStore(BlockBackend):
             self.shared_blocks.queue_link(tx, agent_id, ref, manifest.part_bytes)
         if stale:
             tx.unlink(*stale)
-        self._queue_usage(tx, agent_id, own_bytes, shared)
+        self._queue_usage(tx, agent_id, own_bytes + len(manifest_blob), links)
         self.shared_blocks.queue_release(tx, agent_id, released, scripted)
         try:
             results = tx.execute()  # the EXEC
@@ -416,12 +415,12 @@ class RedisStore(BlockBackend):
             return None  # another writer swapped the manifest meanwhile
         return self.shared_blocks.left_to_collect(released, results, scripted)
 
-    def _queue_usage(self, tx: Any, agent_id: str, own_bytes: int, shared: Sequence[BlockRef]) -> None:
-        """Index, sizes (the agent's own bytes) and links (the shared blocks it uses) for budgets."""
+    def _queue_usage(self, tx: Any, agent_id: str, own_bytes: int, links: Sequence[tuple[str, int]]) -> None:
+        """Index, sizes (the agent's own bytes) and links (the shared blocks it uses): its `Usage`."""
         tx.zadd(self.keys.index, {agent_id: time.time()})
         tx.hset(self.keys.sizes, agent_id, own_bytes)
-        if shared:
-            tx.hset(self.keys.links, agent_id, ",".join(f"{ref.name}:{ref.nbytes}" for ref in shared))
+        if links:
+            tx.hset(self.keys.links, agent_id, ",".join(f"{name}:{nbytes}" for name, nbytes in links))
         else:
             tx.hdel(self.keys.links, agent_id)
 
@@ -557,9 +556,6 @@ class RedisStore(BlockBackend):
         return self.shared_blocks.release_hold(entry.name, entry.nbytes, entry.part_bytes)
 
     # --- delete, list, info, budgets -----------------------------------------------------------
-    def _handle(self, agent_id: str) -> str:
-        return agent_id
-
     def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
         """One MULTI/EXEC under a WATCH on the manifest key, retried while other writers win."""
         mkey = self.keys.manifest(handle)
@@ -595,9 +591,6 @@ class RedisStore(BlockBackend):
         for key in self._client.scan_iter(match=pattern, count=1000):
             if self._client.pttl(key) == -1:
                 self._client.unlink(key)
-
-    def list(self) -> builtins.list[str]:
-        return sorted(entry.handle for entry in self._usage())
 
     def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
         pipe = self._client.pipeline(transaction=False)

@@ -138,9 +138,6 @@ class ShardedStore(BlockBackend):
     def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
         return self.shard_for(agent_id)._set_pinned(agent_id, pinned)
 
-    def _handle(self, agent_id: str) -> str:
-        return agent_id  # the shards are RedisStores, which know agents by their ids
-
     def delete(self, agent_id: str) -> bool:
         """Delete the agent on its shard, and any copy a shard held before shards were added (so a
         deleted agent cannot come back if shards are removed again). Shards that cannot be reached,

@@ -68,6 +68,18 @@ def test_ttl_expires_unused_agents_and_get_extends_it(opener: Opener) -> None:
     assert store.list() == ["a"]  # the index forgets expired agents
 
 
+def test_list_leaves_out_agents_past_their_ttl_unless_pinned(opener: Opener) -> None:
+    """list, written once over what the budget sees, names no expired agent even before a get."""
+    store = opener(ttl_s=1)
+    store.put("pinned", make_cache(store.spec, tokens(20, seed=1)))
+    store.put("stale", make_cache(store.spec, tokens(20, seed=2)))
+    assert store.pin("pinned")
+    outlive_ttl(store, ["pinned", "stale"])
+    store.put("fresh", make_cache(store.spec, tokens(20, seed=3)))
+    assert store.list() == ["fresh", "pinned"]
+    assert store.info("stale") is None
+
+
 def test_a_pinned_agent_is_never_evicted_by_the_budget(opener: Opener) -> None:
     probe = opener()
     probe.put("probe", make_cache(probe.spec, tokens(20)))
