@@ -132,11 +132,16 @@ def connect(url: str, **pool_options: Any) -> Redis:
     """A client for `url` (any form above); `pool_options` as for redis-py's pools (max_connections,
     socket_timeout, command_packer, ...), where the URL's own options win. Nothing is sent until used;
     a malformed URL is a RedisURLError."""
+    return building(url, lambda: _client(url, pool_options))
+
+
+def building(url: str, make: Callable[[], T]) -> T:
+    """`make()`, a client for `url`: building one parses only, so every ValueError is the URL's."""
     try:
-        return _client(url, pool_options)
+        return make()
     except RedisURLError:
         raise
-    except ValueError as exc:  # building a client parses only: every ValueError is the URL's
+    except ValueError as exc:
         raise RedisURLError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
 
 
@@ -153,26 +158,43 @@ def check_plain_url(url: str) -> None:
 
 def _client(url: str, pool_options: dict[str, Any]) -> Redis:
     if is_sentinel_url(url):
+        client: Redis = BLOCKING.sentinel_client(url, pool_options)
+        return client
+    return Redis(connection_pool=ConnectionPool.from_url(url, **BLOCKING.pool_options(url, pool_options)))
+
+
+@dataclass(frozen=True)
+class ClientKind:
+    """The redis-py classes a kvrq client is built from, blocking or asyncio (redis_url_aio.py), so both
+    follow one rule: failover-aware connections, and for a Sentinel URL its sentinels and WAIT setting."""
+
+    sentinel: Callable[..., Any]  # redis-py's Sentinel
+    sentinel_pool: type  # the failover-aware pool of a Sentinel primary
+    failover: dict[type, type]  # redis-py's plain and TLS connection class -> the failover-aware one
+    plain: type  # the connection class a URL that names none gets
+    parse_url: Callable[[str], Any]  # redis-py's parse_url: the options a plain URL names
+
+    def sentinel_client(self, url: str, pool_options: dict[str, Any]) -> Any:
         target = parse_sentinel_url(url)
         options, sentinel_options = sentinel_options_of(target, pool_options)
-        manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
-        client = manager.master_for(
+        manager = self.sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
+        return manager.master_for(
             target.master,
-            connection_pool_class=FailoverSentinelPool,
+            connection_pool_class=self.sentinel_pool,
             ssl=target.tls,
             wait_replicas=target.wait,
             wait_timeout_ms=target.wait_timeout_ms,
             **options,
         )
-        return client
-    check_plain_url(url)
-    kwargs = parse_url(url)
-    plain = {Connection: FailoverConnection, SSLConnection: FailoverSSLConnection}
-    connection_class = kwargs.get("connection_class", Connection)
-    options = {**pool_options}
-    if connection_class in plain and "connection_class" not in options:
-        options["connection_class"] = plain[connection_class]
-    return Redis(connection_pool=ConnectionPool.from_url(url, **options))
+
+    def pool_options(self, url: str, pool_options: dict[str, Any]) -> dict[str, Any]:
+        """A plain URL's pool options: the failover-aware connection class unless the caller names one."""
+        check_plain_url(url)
+        connection_class = self.parse_url(url).get("connection_class", self.plain)
+        options = {**pool_options}
+        if connection_class in self.failover and "connection_class" not in options:
+            options["connection_class"] = self.failover[connection_class]
+        return options
 
 
 def sentinel_options_of(target: SentinelTarget, pool_options: dict[str, Any]) -> tuple[dict, dict]:
@@ -362,6 +384,15 @@ class FailoverSentinelPool(SentinelConnectionPool):
     def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
         take_sentinel_options(self, kwargs, FailoverSentinelConnection, FailoverSSLSentinelConnection)
         super().__init__(service_name, sentinel_manager, **kwargs)
+
+
+BLOCKING = ClientKind(
+    sentinel=Sentinel,
+    sentinel_pool=FailoverSentinelPool,
+    failover={Connection: FailoverConnection, SSLConnection: FailoverSSLConnection},
+    plain=Connection,
+    parse_url=parse_url,
+)
 
 
 def take_sentinel_options(pool: Any, kwargs: dict[str, Any], plain: type, tls: type) -> None:

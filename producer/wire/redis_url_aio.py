@@ -25,21 +25,18 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelMan
 from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producer.wire.redact import redact_url
 from producer.wire.redis_url import (
     FAILOVER_BUDGET_S,
     REPLICATION_MARK_KEY,
     UNSENT,
+    ClientKind,
     PrimaryUnreachableError,
-    RedisURLError,
     WriteRefusedError,
-    check_plain_url,
+    building,
     check_replicated,
     is_failover_reply,
     is_sentinel_url,
     log,
-    parse_sentinel_url,
-    sentinel_options_of,
     take_sentinel_options,
 )
 
@@ -53,35 +50,14 @@ def connect_async(url: str, *, wait_for_connection: bool = False, **pool_options
     (redis.asyncio's BlockingConnectionPool) instead of failing with "Too many connections": what a
     server whose every open wait holds a connection wants. Plain URLs only (a Sentinel pool fails).
     """
-    try:
-        return _client(url, pool_options, wait_for_connection)
-    except RedisURLError:
-        raise
-    except ValueError as exc:
-        raise RedisURLError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
+    return building(url, lambda: _client(url, pool_options, wait_for_connection))
 
 
 def _client(url: str, pool_options: dict[str, Any], wait_for_connection: bool) -> Redis:
     if is_sentinel_url(url):
-        target = parse_sentinel_url(url)
-        options, sentinel_options = sentinel_options_of(target, pool_options)
-        manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
-        client: Redis = manager.master_for(
-            target.master,
-            connection_pool_class=AsyncFailoverSentinelPool,
-            ssl=target.tls,
-            wait_replicas=target.wait,
-            wait_timeout_ms=target.wait_timeout_ms,
-            **options,
-        )
+        client: Redis = ASYNCIO.sentinel_client(url, pool_options)
         return client
-    check_plain_url(url)
-    kwargs = parse_url(url)
-    plain = {Connection: AsyncFailoverConnection, SSLConnection: AsyncFailoverSSLConnection}
-    connection_class = kwargs.get("connection_class", Connection)
-    options = {**pool_options}
-    if connection_class in plain and "connection_class" not in options:
-        options["connection_class"] = plain[connection_class]
+    options = ASYNCIO.pool_options(url, pool_options)
     if wait_for_connection:
         options.setdefault("timeout", None)  # as long as it takes: the caller's own timeout bounds it
         return Redis(connection_pool=BlockingConnectionPool.from_url(url, **options))
@@ -137,6 +113,15 @@ class AsyncFailoverSentinelPool(SentinelConnectionPool):
             self, kwargs, AsyncFailoverSentinelConnection, AsyncFailoverSSLSentinelConnection
         )
         super().__init__(service_name, sentinel_manager, **kwargs)
+
+
+ASYNCIO = ClientKind(
+    sentinel=Sentinel,
+    sentinel_pool=AsyncFailoverSentinelPool,
+    failover={Connection: AsyncFailoverConnection, SSLConnection: AsyncFailoverSSLConnection},
+    plain=Connection,
+    parse_url=parse_url,
+)
 
 
 async def retry_unsent_async(

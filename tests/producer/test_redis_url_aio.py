@@ -7,7 +7,14 @@ import asyncio
 import pytest
 
 from producer.wire.redis_url import RedisURLError
-from producer.wire.redis_url_aio import AsyncFailoverConnection, connect_async
+from producer.wire.redis_url_aio import (
+    AsyncFailoverConnection,
+    AsyncFailoverSentinelConnection,
+    AsyncFailoverSentinelPool,
+    AsyncFailoverSSLConnection,
+    AsyncFailoverSSLSentinelConnection,
+    connect_async,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -16,6 +23,28 @@ def test_bad_urls_are_refused_as_connect_refuses_them() -> None:
     for url in ("http://x", "redis://127.0.0.1:0/0", "redis+sentinel:///m"):
         with pytest.raises(RedisURLError):
             connect_async(url)
+
+
+def test_connect_async_makes_failover_aware_clients_for_every_form() -> None:
+    assert connect_async("redis://127.0.0.1:1/0").connection_pool.connection_class is AsyncFailoverConnection
+    pool = connect_async("redis+sentinel://127.0.0.1:1/m/2?wait=2", max_connections=7).connection_pool
+    assert isinstance(pool, AsyncFailoverSentinelPool)
+    assert pool.connection_class is AsyncFailoverSentinelConnection
+    assert pool.connection_kwargs["db"] == 2 and pool.max_connections == 7
+    assert (getattr(pool, "wait_replicas", None), getattr(pool, "wait_timeout_ms", None)) == (2, 2000)
+    sentinel_tls = connect_async("rediss+sentinel://127.0.0.1:1/m").connection_pool
+    assert sentinel_tls.connection_class is AsyncFailoverSSLSentinelConnection
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="redis.asyncio's ConnectionPool.from_url lets the URL's SSLConnection win over the "
+    "connection_class kvrq passes (the blocking from_url keeps the caller's), so rediss:// async "
+    "clients get plain SSLConnections",
+)
+def test_connect_async_makes_a_failover_aware_client_for_rediss() -> None:
+    tls = connect_async("rediss://127.0.0.1:1/0").connection_pool
+    assert tls.connection_class is AsyncFailoverSSLConnection
 
 
 def test_a_waiting_pool_lends_its_connections_in_turn(redis_url: str) -> None:
