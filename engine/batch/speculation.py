@@ -53,9 +53,11 @@ WEIGHT = 0.3
 REMEASURE_EVERY = 64
 #: After this many steps whose drafts the cost turned down, the best one drafts anyway: the cost and
 #: the row's acceptance are measured again (a noisy step must not turn drafting off for good). Each
-#: probe that the cost still turns down doubles the wait, up to MAX_PROBE_EVERY (a probe costs).
-PROBE_EVERY = 8
-MAX_PROBE_EVERY = 128
+#: probe that the cost still turns down doubles the wait, up to MAX_PROBE_EVERY. A probe costs most
+#: where it is least likely to pay (a drafted step of 16 rows on the CPU runs as 32 matmul rows: a
+#: second step), so probes are rare: one in the first 32 turned-down steps, then 64, 128, 256.
+PROBE_EVERY = 32
+MAX_PROBE_EVERY = 256
 #: A step drafts only where the cost says its tokens per second gain at least this factor: a
 #: prediction within the noise of a step's time is no reason to pay a draft's extra work.
 MIN_GAIN = 1.05
@@ -205,27 +207,49 @@ class StepTimes:
         self._samples: dict[tuple[bool, int], deque[float]] = {}
         self.plain: dict[int, float] = {}  # by rows
         self.drafted: dict[int, float] = {}  # by rows + draft tokens
+        self._last_drafted: int | None = None  # the tokens of the latest drafted step recorded
 
     def record(self, tokens: int, drafted: bool, seconds: float) -> None:
         samples = self._samples.setdefault((drafted, tokens), deque(maxlen=SAMPLES))
         samples.append(seconds)
         (self.drafted if drafted else self.plain)[tokens] = statistics.median(samples)
+        if drafted:
+            self._last_drafted = tokens
 
-    def estimate(self, tokens: int, drafted: bool) -> tuple[float, bool] | None:
+    def charge_last_drafted(self, seconds: float) -> None:
+        """Add to the latest drafted step what it left to the step after it (its rows' copies back
+        into the ShortSlots): a draft costs both, so the policy weighs both."""
+        if self._last_drafted is None:
+            return
+        samples = self._samples[(True, self._last_drafted)]
+        samples[-1] += seconds
+        self.drafted[self._last_drafted] = statistics.median(samples)
+        self._last_drafted = None
+
+    def estimate(self, tokens: int, drafted: bool, prior: float | None = None) -> tuple[float, bool] | None:
         """A step of `tokens` query tokens and whether the figure is founded: measured, else
         interpolated between the nearest known counts (a drafted step's own where measured), else
         extended from the two largest (or the largest alone: its cost). Founded: it rests on counts
         measured MIN_SAMPLES times and is no extension (one step's time on a loaded machine says
-        little, and a guess is tried by one more draft at most). None: nothing known."""
+        little, and a guess is tried by one more draft at most). None: nothing known.
+
+        `prior`: what the step would cost if each token beyond the plain step's cost what a prompt
+        token does (StepCost's figure). Where it is given, a figure not founded yet is the lower of
+        it and what was measured, and a guess is the prior itself: both count as founded. Optimism
+        where nothing is known is the exploration (a draft that pays there is timed, and its own
+        figure takes over once founded); a count the prior already prices out, such as a full batch
+        on a compute-bound step, is never tried, only probed."""
         known = {**self.plain, **self.drafted} if drafted else self.plain
         if tokens in known:
-            return known[tokens], self._founded(tokens, drafted)
+            return self._or_prior(known[tokens], self._founded(tokens, drafted), prior)
         below = [t for t in known if t < tokens]
         above = [t for t in known if t > tokens]
         if below and above:
             lo, hi = max(below), min(above)
             value = known[lo] + (known[hi] - known[lo]) * (tokens - lo) / (hi - lo)
-            return value, self._founded(lo, drafted) and self._founded(hi, drafted)
+            return self._or_prior(value, self._founded(lo, drafted) and self._founded(hi, drafted), prior)
+        if prior is not None:
+            return prior, True
         if above:
             return known[min(above)], self._founded(min(above), drafted)
         if not below:
@@ -235,6 +259,12 @@ class StepTimes:
             return known[top[0]], False
         slope = max(0.0, (known[top[1]] - known[top[0]]) / (top[1] - top[0]))
         return known[top[1]] + slope * (tokens - top[1]), False
+
+    @staticmethod
+    def _or_prior(value: float, founded: bool, prior: float | None) -> tuple[float, bool]:
+        if founded or prior is None:
+            return value, founded
+        return min(value, prior), True
 
     def _founded(self, tokens: int, drafted: bool) -> bool:
         """Whether the figure `estimate` reads at `tokens` was measured MIN_SAMPLES times."""
@@ -263,10 +293,16 @@ class Speculation:
         self._last_drafted = False  # the last step recorded had drafts
 
     def plan(
-        self, candidates: list[tuple[Any, RowSpeculation]], decode_rows: int, step: int, extra_s: float
+        self,
+        candidates: list[tuple[Any, RowSpeculation]],
+        decode_rows: int,
+        step: int,
+        extra_s: float,
+        token_s: float | None = None,
     ) -> dict[int, list[int]]:
         """Drafts for this step by row uid. `candidates` are (row, state) of rows that may draft;
-        `extra_s` is what the step's prompt tokens add to its cost."""
+        `extra_s` is what the step's prompt tokens add to its cost; `token_s` what one prompt token
+        costs in a step (StepCost), the prior for draft tokens not timed yet (StepTimes.estimate)."""
         if (decode_rows not in self.times.plain and not self.always) or not candidates:
             return {}  # first measure what a plain step of this many rows costs
         if self._since_plain.get(decode_rows, 0) >= REMEASURE_EVERY and not self.always:
@@ -300,7 +336,8 @@ class Speculation:
         for i, (_, _, draft, state) in enumerate(offers, start=1):
             gain += state.expected_tokens(len(draft))
             draft_tokens += len(draft)
-            estimate = self.times.estimate(decode_rows + draft_tokens, drafted=True)
+            prior = None if token_s is None else self.times.plain[decode_rows] + draft_tokens * token_s
+            estimate = self.times.estimate(decode_rows + draft_tokens, drafted=True, prior=prior)
             assert estimate is not None  # the plain step of decode_rows is known
             cost, founded = estimate
             rate = (decode_rows + gain) / (cost + extra_s)
@@ -333,7 +370,12 @@ class Speculation:
         if step.step_s <= 0 or decode_rows == 0 or step.prompt_tokens:
             return
         if after_draft and not draft_tokens:
-            return  # it carries the drafted rows' copies back into the ShortSlots: not a plain step's cost
+            # It carries the drafted rows' copies back into the ShortSlots: not a plain step's cost,
+            # but part of the draft's (what it took over a plain step of as many rows).
+            plain = self.times.plain.get(decode_rows)
+            if plain is not None:
+                self.times.charge_last_drafted(max(0.0, step.step_s - plain))
+            return
         self._since_plain[decode_rows] = self._since_plain.get(decode_rows, 0) + 1 if draft_tokens else 0
         self.times.record(decode_rows + draft_tokens, bool(draft_tokens), step.step_s)
 

@@ -9,6 +9,7 @@ import os
 import random
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -294,8 +295,49 @@ def test_drafts_the_cost_turns_down_are_probed_less_and_less_often() -> None:
     speculation = Speculation()
     measured(speculation, 1, False, 0.050)
     measured(speculation, 5, True, 0.200)
-    probes = [step for step in range(1, 60) if speculation.plan(offer(1, acceptance=0.5), 1, step, 0.0)]
-    assert probes == [8, 24, 56], "after 8 turned-down steps, then 16, then 32"
+    probes = [step for step in range(1, 240) if speculation.plan(offer(1, acceptance=0.5), 1, step, 0.0)]
+    assert probes == [32, 96, 224], "after 32 turned-down steps, then 64, then 128"
+
+
+def test_draft_tokens_not_timed_yet_are_priced_like_prompt_tokens_and_never_forced() -> None:
+    """With StepCost's price of a prompt token, a step size nobody timed is no reason to try a draft:
+    a full batch on a compute-bound step (each token a row's share) is priced out at once, while
+    where tokens are cheap against the step (one row; a GPU) the drafts go ahead."""
+    full = Speculation()
+    measured(full, 16, False, 0.200)
+    token_s = 0.200 / 16  # compute-bound: a token costs a row's share of the step
+    assert full.plan(offer(16), 16, step=1, extra_s=0.0, token_s=token_s) == {}
+    assert full.plan(offer(16), 16, step=2, extra_s=0.0) != {}, "without the prior: timed until founded"
+    cheap = Speculation()
+    measured(cheap, 16, False, 0.200)
+    assert len(cheap.plan(offer(16), 16, step=1, extra_s=0.0, token_s=0.0005)) > 1, "GPU-like: many draft"
+    one = Speculation()
+    measured(one, 1, False, 0.050)
+    assert len(one.plan(offer(1), 1, step=1, extra_s=0.0, token_s=0.005)) == 1
+    one.times.record(5, drafted=True, seconds=0.200)  # timed once and dear: the prior still rules...
+    assert len(one.plan(offer(1), 1, step=2, extra_s=0.0, token_s=0.005)) == 1
+    measured(one, 5, True, 0.200)  # ...until founded
+    assert one.plan(offer(1), 1, step=3, extra_s=0.0, token_s=0.005) == {}
+
+
+def test_a_drafted_step_is_charged_the_copies_it_leaves_to_the_next_step() -> None:
+    """The step after a drafted one carries its rows back into the ShortSlots: its time over a plain
+    step's is the draft's cost, not a plain step's."""
+
+    @dataclass
+    class Step:
+        decode_rows: int
+        draft_tokens: int
+        step_s: float
+        prompt_tokens: int = 0
+        accepted_tokens: int = 0
+
+    speculation = Speculation()
+    measured(speculation, 4, False, 0.100)
+    speculation.record_step(Step(4, 8, 0.110, accepted_tokens=4))
+    speculation.record_step(Step(4, 0, 0.150))  # 50 ms of copies back into the slots
+    assert speculation.times.drafted[12] == pytest.approx(0.160)
+    assert speculation.times.plain[4] == pytest.approx(0.100), "the copies are no plain step's cost"
 
 
 def test_a_row_whose_drafts_keep_failing_pauses() -> None:
