@@ -228,3 +228,23 @@ def test_module_names_in_the_docs_exist() -> None:
         for found in re.findall(r"(?<![\w./-])((?:engine|store|worker|producer)(?:\.\w+)+)", doc.read_text())
     }
     assert sorted(item for item in named if not _module_name_resolves(item[1])) == []
+
+
+def reading_path_words() -> dict[str, int]:
+    """Words of the newcomer's reading path (docs/README.md): README.md and the pages marked *read*,
+    less their sections that open with *Reference:* (tables and runbooks looked up, not read)."""
+    rows = re.findall(r"^\| `(docs/[\w-]+\.md)` \| read \|", (ROOT / "docs" / "README.md").read_text(), re.M)
+    words = {}
+    for page in ["README.md", "docs/README.md", *rows]:
+        sections = re.split(r"\n(?=#+ )", (ROOT / page).read_text())
+        kept = [s for s in sections if not s.split("\n", 1)[-1].lstrip().startswith("*Reference:")]
+        words[page] = sum(len(section.split()) for section in kept)
+    return words
+
+
+def test_the_reading_path_reads_in_an_hour() -> None:
+    """About 15,000 words: an hour at a technical reader's pace. A page that grows past it says
+    what to move out (into a reference section, a reference page or the code's docstrings)."""
+    words = reading_path_words()
+    assert len(words) >= 8, words  # README, the map and the read pages were all found
+    assert sum(words.values()) <= 15_500, words
