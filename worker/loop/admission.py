@@ -20,20 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import CacheMismatchError, InvalidRequestError, PoolExhaustedError
 from producer.wire.protocol import ErrorCode
-from worker.fleet.agent_turns import AgentTurns
 from worker.jobs.payload import JobRejected
 from worker.loop.held import HeldJob
 from worker.loop.outcomes import Ending, Failed, Outcome
-from worker.loop.ports import Engine, Store
-from worker.loop.publisher import Publisher
-from worker.loop.recent_prefixes import RecentPrefixes
-from worker.loop.scheduler import Scheduler
-from worker.loop.step import StepClock
+from worker.loop.parts import LoopParts
 from worker.loop.timeline import mark
 from worker.requests import stored_conversations
 from worker.requests.prepare import prepare
 from worker.requests.prompts import PromptError
-from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from engine.core.blocks import AgentCache
@@ -60,37 +54,14 @@ READY = Ready()
 
 
 class Admitter:
-    def __init__(
-        self,
-        *,
-        engine: Engine,
-        store: Store | None,
-        scheduler: Scheduler,
-        publisher: Publisher,
-        turns: AgentTurns,
-        recent: RecentPrefixes | None,
-        prefix_reuse: bool,
-        settings: WorkerSettings,
-        clock: StepClock,
-        counts: dict[str, int],
-    ) -> None:
-        self.engine = engine
-        self.store = store
-        self.connection = turns.connection
-        self.scheduler = scheduler
-        self.publisher = publisher
-        self.turns = turns
-        self.recent = recent
-        self.prefix_reuse = prefix_reuse
-        self.settings = settings
-        self.clock = clock
-        self.counts = counts
+    def __init__(self, parts: LoopParts) -> None:
+        self.parts = parts
         self.awaited: weakref.WeakSet[Future[Any]] = weakref.WeakSet()  # reads a step already waited for
 
     def admit(self) -> Iterator[Ending]:
         """Submit what the scheduler offers and the engine takes, once the agent's turn and cache are
         in; yields the jobs that end instead (lazily: each is ended before the next is offered)."""
-        for held, verdict in self.scheduler.admissions(self.engine):
+        for held, verdict in self.parts.scheduler.admissions(self.parts.engine):
             if verdict.verdict == "later":
                 self._show(held, Wait(verdict.reason))
                 continue
@@ -99,7 +70,7 @@ class Admitter:
                 continue
             ready = self.ready(held)
             if isinstance(ready, Ready):
-                mark(held, "cache_ready", self.clock.count)
+                mark(held, "cache_ready", self.parts.clock.count)
                 ready = self._submit(held)
             if isinstance(ready, Wait):
                 self._show(held, ready)
@@ -113,25 +84,28 @@ class Admitter:
         of a few MB ends in milliseconds (often already over here: it ended during the rest of the
         intake). The batch waits at most READ_WAIT_FRACTION of its last step, once per read."""
         reads = [
-            read for held in self.scheduler.waiting for read in (held.cache, held.source) if read is not None
+            read
+            for held in self.parts.scheduler.waiting
+            for read in (held.cache, held.source)
+            if read is not None
         ]
-        if not reads or not self.engine.has_work():
+        if not reads or not self.parts.engine.has_work():
             return False
         pending = [read for read in reads if not read.done() and read not in self.awaited]
         if pending:
             self.awaited.update(pending)
-            wait(pending, timeout=READ_WAIT_FRACTION * self.clock.seconds)
+            wait(pending, timeout=READ_WAIT_FRACTION * self.parts.clock.seconds)
         return True
 
     def ready(self, held: HeldJob) -> Ready | Wait | Outcome:
         """Take the agent's turn and start reading its cache; Ready once both are done (no I/O wait)."""
         if held.agent_id is None:
             return self._prefix_ready(held)
-        if self.store is None and not held.extending:
+        if self.parts.store is None and not held.extending:
             return READY
         if held.fence is None:
-            held.fence = self.turns.take(
-                held.agent_id, held.id, held_here={h.id for h in self.scheduler.all()}
+            held.fence = self.parts.turns.take(
+                held.agent_id, held.id, held_here={h.id for h in self.parts.scheduler.all()}
             )
             if held.fence is None:
                 return Wait("its agent's turn (an earlier job of the agent runs first)")
@@ -146,23 +120,25 @@ class Admitter:
     def _show(self, held: HeldJob, wait: Wait) -> None:
         if held.wait_reason != wait.reason:
             held.wait_reason = wait.reason
-            self.publisher.progress(held.job, phase="waiting", waiting_for=wait.reason)
+            self.parts.publisher.progress(held.job, phase="waiting", waiting_for=wait.reason)
 
     def _prefix_ready(self, held: HeldJob) -> Ready | Wait:
         """A job without an agent: start reading the longest prefix of its prompt any earlier job of its
         namespace stored; Ready once read (a failed read is a miss: it prefills)."""
         if held.cache is None:
-            tenant = held.tenant(self.settings.namespace)
-            local = None if self.recent is None else self.recent.longest(held.prompt_tokens, tenant)
-            block = self.engine.spec.block_tokens
+            tenant = held.tenant(self.parts.settings.namespace)
+            local = (
+                None if self.parts.recent is None else self.parts.recent.longest(held.prompt_tokens, tenant)
+            )
+            block = self.parts.engine.spec.block_tokens
             full = len(held.prompt_tokens) // block * block  # the most the store's full blocks can give
-            if local is not None and local.n_tokens >= full or not self.prefix_reuse:
+            if local is not None and local.n_tokens >= full or not self.parts.prefix_reuse:
                 held.cache = _done(local)
                 return READY
-            assert self.store is not None
+            assert self.parts.store is not None
             try:
-                held.cache = self.store.prefetch_prefix(
-                    held.prompt_tokens, namespace=held.namespace(self.settings.namespace)
+                held.cache = self.parts.store.prefetch_prefix(
+                    held.prompt_tokens, namespace=held.namespace(self.parts.settings.namespace)
                 )
             except Exception:
                 log.exception("job %s: reading a shared prefix failed: prefilling", held.id)
@@ -181,47 +157,51 @@ class Admitter:
     def _extend(self, held: HeldJob) -> Ready | Wait | Outcome:
         """A continue / fork job with its turn: once its source is read, render the whole conversation
         and become an ordinary job (Ready when it may be submitted now)."""
-        namespace = held.namespace(self.settings.namespace)
+        namespace = held.namespace(self.parts.settings.namespace)
         if held.source is None:
-            held.source = stored_conversations.start_read(self.store, held.request, held.fence, namespace)
+            held.source = stored_conversations.start_read(
+                self.parts.store, held.request, held.fence, namespace
+            )
         if not held.source.done():
             return Wait("its agent's conversation (reading)")
         source = self._prefetched(held, held.source)
         try:
-            request, _stored = stored_conversations.resolve(self.connection, held.request, source, held.id)
-            prepared = prepare(self.engine, request)
+            request, _stored = stored_conversations.resolve(
+                self.parts.connection, held.request, source, held.id
+            )
+            prepared = prepare(self.parts.engine, request)
         except (JobRejected, PromptError) as exc:
             return Failed(ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}", retry=False)
         tokens = prepared.prompt_tokens
-        verdict = self.engine.admission(len(tokens), prepared.sampling.max_tokens)
+        verdict = self.parts.engine.admission(len(tokens), prepared.sampling.max_tokens)
         if verdict.verdict == "never":
             reason = stored_conversations.context_message(held.request, len(tokens), verdict.reason)
             return Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, reason, retry=False)
         held.stored_messages = len(request.messages or ()) - len(held.request.messages or ())
         held.request, held.prompt_tokens, held.output = request, tokens, prepared.output
         held.sampling = prepared.sampling
-        self.engine.reserve(len(tokens), held.sampling.max_tokens)
+        self.parts.engine.reserve(len(tokens), held.sampling.max_tokens)
         cache = stored_conversations.reusable_part(source, tokens)
-        if self.recent is not None:  # a new agent (a response's first turn) starts from a recent prefix
-            recent = self.recent.longest(tokens, held.tenant(self.settings.namespace))
+        if self.parts.recent is not None:  # a new agent (a response's first turn) starts from a recent prefix
+            recent = self.parts.recent.longest(tokens, held.tenant(self.parts.settings.namespace))
             if recent is not None and (cache is None or recent.n_tokens > cache.n_tokens):
                 cache = recent
         held.cache = _done(cache)
         held.extending = False
-        self.publisher.progress(held.job, prompt_tokens=len(tokens))
+        self.parts.publisher.progress(held.job, prompt_tokens=len(tokens))
         # "later": it waits for the engine's room as an ordinary job, not in this pass
         return READY if verdict.verdict == "now" else Wait(held.wait_reason)
 
     def _prefetch(self, held: HeldJob, fence: int) -> Future[AgentCache | None]:
         """The store's read of the agent's cache, as new as its turn (`fence`) needs; a store that
         raises at once fails only this read."""
-        assert self.store is not None and held.agent_id is not None
+        assert self.parts.store is not None and held.agent_id is not None
         try:
-            return self.store.prefetch(
+            return self.parts.store.prefetch(
                 held.agent_id,
                 prompt_tokens=held.prompt_tokens,
                 fence=fence,
-                namespace=held.namespace(self.settings.namespace),
+                namespace=held.namespace(self.parts.settings.namespace),
             )
         except Exception as exc:
             failed: Future[AgentCache | None] = Future()
@@ -241,7 +221,7 @@ class Admitter:
                 log.warning(
                     "job %s: agent %s's saved cache unusable (%s): prefilling", held.id, held.agent_id, exc
                 )
-                self.counts["cache_read_failed"] += 1
+                self.parts.counts["cache_read_failed"] += 1
                 cache = None
                 uid = self._engine_submit(held, None)
         except PoolExhaustedError as exc:
@@ -252,12 +232,12 @@ class Admitter:
             return Failed(ErrorCode.INTERNAL, traceback.format_exc(), retry=True)
         held.admitted_at = admitted_at
         held.admitted_mono = admitted_mono
-        mark(held, "admitted", self.clock.count)
-        if held.agent_id is not None and self.store is not None:
+        mark(held, "admitted", self.parts.clock.count)
+        if held.agent_id is not None and self.parts.store is not None:
             held.cache_hit = cache is not None
         held.wait_reason = ""
-        self.scheduler.start(held, uid)
-        self.publisher.progress(held.job, phase="running", waiting_for=None, generated_tokens=0)
+        self.parts.scheduler.start(held, uid)
+        self.parts.publisher.progress(held.job, phase="running", waiting_for=None, generated_tokens=0)
         return READY
 
     def _submit_error(self, held: HeldJob) -> str:
@@ -266,15 +246,15 @@ class Admitter:
             uid = self._engine_submit(held, None)
         except InvalidRequestError as exc:
             return f"{type(exc).__name__}: {exc}"
-        self.engine.cancel(uid)  # the verdict said never: not reached
+        self.parts.engine.cancel(uid)  # the verdict said never: not reached
         return "the engine refused the request"
 
     def _engine_submit(self, held: HeldJob, cache: AgentCache | None) -> int:
         if held.agent_id is not None:
-            keep_cache = self.store is not None
+            keep_cache = self.parts.store is not None
         else:
-            keep_cache = self.prefix_reuse or self.recent is not None
-        return self.engine.submit(
+            keep_cache = self.parts.prefix_reuse or self.parts.recent is not None
+        return self.parts.engine.submit(
             held.agent_id, held.prompt_tokens, held.sampling, cache=cache, keep_cache=keep_cache
         )
 
@@ -285,7 +265,7 @@ class Admitter:
             return read.result()
         except Exception:
             log.exception("job %s: reading agent %s's cache failed: prefilling", held.id, held.agent_id)
-            self.counts["cache_read_failed"] += 1
+            self.parts.counts["cache_read_failed"] += 1
             return None
         finally:
             held.cache_load_s += time.perf_counter() - started

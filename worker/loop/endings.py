@@ -19,22 +19,15 @@ from rq.job import Job
 from rq.queue import Queue
 
 from producer.wire.protocol import ERROR_META_KEY, ErrorCode
-from worker.fleet.affinity import Affinity
-from worker.fleet.agent_turns import AgentTurns
 from worker.fleet.confirmed_endings import ConfirmedEndings
 from worker.fleet.latency import LatencyHistograms
 from worker.jobs import rqexec
 from worker.loop.durability import Durability
 from worker.loop.held import HeldJob
 from worker.loop.outcomes import Canceled, Ending, Failed, Finished, HandedBack, Outcome, Stopped, TakenOver
-from worker.loop.ports import Engine, Store
-from worker.loop.publisher import Publisher
-from worker.loop.recent_prefixes import RecentPrefixes
+from worker.loop.parts import LoopParts
 from worker.loop.results import answer_finish_reason, build_result, cache_label, job_observations
-from worker.loop.scheduler import Scheduler
 from worker.requests import stored_conversations
-from worker.requests.logprobs import LogprobFormatter
-from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from engine.core.blocks import AgentCache
@@ -52,50 +45,21 @@ class Rejected:
 
 
 class Endings:
-    def __init__(
-        self,
-        *,
-        worker: rqexec.KvrqWorker,
-        engine: Engine,
-        store: Store | None,
-        scheduler: Scheduler,
-        publisher: Publisher,
-        turns: AgentTurns,
-        affinity: Affinity,
-        recent: RecentPrefixes | None,
-        prefix_reuse: bool,
-        settings: WorkerSettings,
-        model_name: str,
-        logprob_format: LogprobFormatter,
-        counts: dict[str, int],
-    ) -> None:
-        self.worker = worker
-        self.connection = worker.connection
-        self.engine = engine
-        self.store = store
-        self.scheduler = scheduler
-        self.publisher = publisher
-        self.turns = turns
-        self.affinity = affinity
-        self.recent = recent
-        self.prefix_reuse = prefix_reuse
-        self.settings = settings
-        self.model_name = model_name
-        self.logprob_format = logprob_format
-        self.counts = counts
+    def __init__(self, parts: LoopParts) -> None:
+        self.parts = parts
         self.latency = LatencyHistograms()
         self.queue: deque[Ending] = deque()  # decided, not yet written
-        self.confirmed = ConfirmedEndings(self.connection)  # kept until a replica holds them
-        self.durability = Durability(turns, counts)
+        self.confirmed = ConfirmedEndings(self.parts.connection)  # kept until a replica holds them
+        self.durability = Durability(parts.turns, parts.counts)
 
     def end(self, held: HeldJob, outcome: Outcome) -> None:
         """Decide how `held` ends: out of the scheduler and the engine now, written by `flush`."""
         if isinstance(outcome, Failed) and outcome.retry and not held.job.should_retry:
             outcome = Failed(outcome.code, outcome.reason, retry=False)  # retry now means: rq will re-run it
-        self.scheduler.remove(held)
+        self.parts.scheduler.remove(held)
         if held.uid is not None and not isinstance(outcome, Finished):
             try:
-                self.engine.cancel(held.uid)  # frees its blocks; a no-op for a finished sequence
+                self.parts.engine.cancel(held.uid)  # frees its blocks; a no-op for a finished sequence
             except Exception:
                 log.exception("engine.cancel(%d) failed for job %s", held.uid, held.id)
         held.phase = "ending"
@@ -108,7 +72,7 @@ class Endings:
 
     def flush(self) -> None:
         """Publish buffered writes, then each decided ending; an outage leaves the rest for next time."""
-        self.publisher.flush()
+        self.parts.publisher.flush()
         while self.queue:
             held, outcome = self.queue[0]
             written = self.write(held, outcome)
@@ -117,9 +81,9 @@ class Endings:
         for held, outcome in self.confirmed.lost():
             # The failover dropped these writes: once more, on the new primary.
             held.end_steps -= {"stream", "rq", "turn"}
-            self.counts["endings_rewritten"] += 1
+            self.parts.counts["endings_rewritten"] += 1
             self.queue.append((held, outcome))
-        self.counts["releases_rewritten"] += self.turns.confirm_releases()
+        self.parts.counts["releases_rewritten"] += self.parts.turns.confirm_releases()
 
     def write(self, held: HeldJob, outcome: Outcome) -> Outcome:
         """Cache, stream, rq, agent turn: each step once, even when an outage interrupts them. Returns
@@ -127,11 +91,11 @@ class Endings:
         steps = held.end_steps
         if "cache" not in steps:
             self._save_cache(held, outcome)
-            self.scheduler.agent_done(held)  # its cache is in the store: the agent's next job may start
+            self.parts.scheduler.agent_done(held)  # its cache is in the store: the agent's next job may start
             steps.add("cache")
         if "stream" not in steps:
             if isinstance(outcome, Finished) and not rqexec.owns_execution(
-                self.connection, held.job, held.execution
+                self.parts.connection, held.job, held.execution
             ):
                 outcome = TakenOver(None)  # re-run elsewhere meanwhile: its stream and result are that run's
             self._publish(held.job, outcome, held)
@@ -146,14 +110,14 @@ class Endings:
         if "counted" in steps:
             return outcome  # written again after a failover: counted and logged the first time
         steps.add("counted")
-        self.counts[_counter(outcome)] += 1
+        self.parts.counts[_counter(outcome)] += 1
         if not isinstance(outcome, HandedBack | TakenOver):  # those runs go on elsewhere
             completion = outcome.completion if isinstance(outcome, Finished) else None
             observed = job_observations(held, completion, time.time())
             self.latency.observe(observed, outcome=outcome.phase, cache=cache_label(held))
         if isinstance(outcome, Finished):
-            self.counts["prompt_tokens"] += outcome.completion.usage.prompt_tokens
-            self.counts["reused_tokens"] += outcome.completion.usage.reused_tokens
+            self.parts.counts["prompt_tokens"] += outcome.completion.usage.prompt_tokens
+            self.parts.counts["reused_tokens"] += outcome.completion.usage.reused_tokens
         _log_ending(held, outcome)
         return outcome
 
@@ -161,11 +125,11 @@ class Endings:
         """Fail an invalid job at once (no retry: it would fail the same way), recorded as an execution."""
         job, queue = rejected.job, rejected.queue
         log.warning("job %s rejected: %s", job.id, rejected.reason)
-        execution = rqexec.start_rejected(self.worker, job, queue)
+        execution = rqexec.start_rejected(self.parts.worker, job, queue)
         outcome = Failed(ErrorCode.INVALID_REQUEST, rejected.reason, retry=False)
         self._publish(job, outcome)
         self._record_in_rq(job, queue, execution, outcome)
-        self.counts["failed"] += 1
+        self.parts.counts["failed"] += 1
 
     def _save_cache(self, held: HeldJob, outcome: Outcome) -> None:
         if not isinstance(outcome, Finished):
@@ -175,37 +139,39 @@ class Endings:
             return
         result = self._result(held, outcome)
         own = len(held.request.messages or ()) - held.stored_messages
-        conversation = stored_conversations.record(self.connection, held.request, own, result, held.fence)
+        conversation = stored_conversations.record(
+            self.parts.connection, held.request, own, result, held.fence
+        )
         cache = outcome.completion.cache
-        if cache is None or self.store is None:
+        if cache is None or self.parts.store is None:
             return
-        if self.recent is not None:
+        if self.parts.recent is not None:
             # A new agent of the namespace that re-sends this history (a Responses turn without
             # previous_response_id, a client that rotates its session id) resumes from it to the token.
-            self.recent.add(cache, held.tenant(self.settings.namespace))
+            self.parts.recent.add(cache, held.tenant(self.parts.settings.namespace))
         try:
             cache = dataclasses.replace(cache, conversation=conversation)
-            namespace = held.namespace(self.settings.namespace)
-            put = self.store.put(held.agent_id, cache, fence=held.fence, namespace=namespace)
+            namespace = held.namespace(self.parts.settings.namespace)
+            put = self.parts.store.put(held.agent_id, cache, fence=held.fence, namespace=namespace)
             self.durability.track(held, put)
-            if self.settings.store_hot_mb > 0:
-                self.affinity.record_home(held.agent_id)
+            if self.parts.settings.store_hot_mb > 0:
+                self.parts.affinity.record_home(held.agent_id)
         except Exception:
             # The answer is good; only the next turn's warm start is lost.
             log.exception("job %s: saving agent %s's cache failed", held.id, held.agent_id)
-            self.counts["cache_put_failed"] += 1
+            self.parts.counts["cache_put_failed"] += 1
 
     def _save_prefix(self, held: HeldJob, cache: AgentCache | None) -> None:
         """Keep a finished agent-less job's full blocks for the next job with the same prefix (best
         effort: the write happens behind, and a failure only costs a later job its reuse)."""
         if cache is None:
             return
-        if self.recent is not None:
-            self.recent.add(cache, held.tenant(self.settings.namespace))
-        if self.store is None or not self.prefix_reuse:
+        if self.parts.recent is not None:
+            self.parts.recent.add(cache, held.tenant(self.parts.settings.namespace))
+        if self.parts.store is None or not self.parts.prefix_reuse:
             return
         try:
-            self.store.put_prefix(cache, namespace=held.namespace(self.settings.namespace))
+            self.parts.store.put_prefix(cache, namespace=held.namespace(self.parts.settings.namespace))
         except Exception:
             log.exception("job %s: keeping its prefix for reuse failed", held.id)
 
@@ -215,18 +181,18 @@ class Endings:
         if isinstance(outcome, Finished):
             output = None if held is None else held.output
             reason = answer_finish_reason(output, outcome.completion.finish_reason)
-            self.publisher.end(job.id, reason, usage=dataclasses.asdict(outcome.completion.usage))
+            self.parts.publisher.end(job.id, reason, usage=dataclasses.asdict(outcome.completion.usage))
             progress["generated_tokens"] = len(outcome.completion.token_ids)
         elif isinstance(outcome, Failed) and not outcome.retry:
             job.meta[ERROR_META_KEY] = {"code": outcome.code, "message": outcome.message}
-            self.publisher.error(job.id, outcome.message, code=outcome.code)
+            self.parts.publisher.error(job.id, outcome.message, code=outcome.code)
         elif isinstance(outcome, Canceled):
-            self.publisher.end(job.id, "canceled")
+            self.parts.publisher.end(job.id, "canceled")
         elif isinstance(outcome, Stopped):
-            self.publisher.error(job.id, "stopped by rq's stop-job command")
+            self.parts.publisher.error(job.id, "stopped by rq's stop-job command")
         if not isinstance(outcome, TakenOver):
-            self.publisher.progress(job, **progress)
-        self.publisher.flush()
+            self.parts.publisher.progress(job, **progress)
+        self.parts.publisher.flush()
 
     def _record_in_rq(
         self,
@@ -239,10 +205,10 @@ class Endings:
         """The rq side of an ending; False when the job turned out to be no longer ours."""
         if isinstance(outcome, Finished):
             assert held is not None
-            return rqexec.finish_job(self.worker, job, queue, execution, self._result(held, outcome))
+            return rqexec.finish_job(self.parts.worker, job, queue, execution, self._result(held, outcome))
         if isinstance(outcome, Failed):
             rqexec.fail_job(
-                self.worker,
+                self.parts.worker,
                 job,
                 queue,
                 execution,
@@ -252,13 +218,13 @@ class Endings:
                 message=outcome.message,
             )
         elif isinstance(outcome, Canceled):
-            rqexec.cancel_job(self.worker, job, queue, execution)
+            rqexec.cancel_job(self.parts.worker, job, queue, execution)
         elif isinstance(outcome, Stopped):
-            rqexec.stop_job(self.worker, job, queue, execution)
+            rqexec.stop_job(self.parts.worker, job, queue, execution)
         elif isinstance(outcome, HandedBack):
-            rqexec.requeue_job(self.worker, job, queue, execution, at_front=True)
+            rqexec.requeue_job(self.parts.worker, job, queue, execution, at_front=True)
         else:
-            rqexec.drop_execution(self.worker, job, execution)
+            rqexec.drop_execution(self.parts.worker, job, execution)
         return True
 
     def _result(self, held: HeldJob, outcome: Finished) -> dict[str, Any]:
@@ -267,9 +233,9 @@ class Endings:
             held.result = build_result(
                 held,
                 outcome.completion,
-                model=self.model_name,
-                worker=self.worker.name,
-                logprobs=self.logprob_format,
+                model=self.parts.model_name,
+                worker=self.parts.worker.name,
+                logprobs=self.parts.logprob_format,
             )
         return held.result
 
@@ -282,10 +248,10 @@ class Endings:
             isinstance(outcome, Failed) and outcome.retry
         )
         if not runs_again:
-            self.turns.leave(agent, held.id)
+            self.parts.turns.leave(agent, held.id)
         self.durability.release()
         if not self.durability.pending(held):
-            self.turns.release(agent, held.id)
+            self.parts.turns.release(agent, held.id)
 
 
 def _counter(outcome: Outcome) -> str:

@@ -12,16 +12,11 @@ from rq.queue import Queue
 
 from producer.models import GenerationRequest
 from producer.wire.protocol import ERROR_META_KEY, FIRST_ENQUEUED_META_KEY, cancel_key
-from worker.fleet.affinity import Affinity
-from worker.fleet.agent_turns import AgentTurns
 from worker.jobs import rqexec
 from worker.jobs.payload import JobRejected, request_from_job
 from worker.loop.endings import Rejected
 from worker.loop.held import HeldJob
-from worker.loop.ports import Engine
-from worker.loop.publisher import Publisher
-from worker.loop.scheduler import Scheduler
-from worker.loop.step import StepClock
+from worker.loop.parts import LoopParts
 from worker.loop.timeline import mark
 from worker.requests.prepare import Prepared, prepare
 from worker.requests.prompts import PromptError
@@ -32,43 +27,27 @@ if TYPE_CHECKING:
 
 
 class Intake:
-    def __init__(
-        self,
-        *,
-        worker: rqexec.KvrqWorker,
-        engine: Engine,
-        scheduler: Scheduler,
-        publisher: Publisher,
-        turns: AgentTurns,
-        affinity: Affinity,
-        clock: StepClock,
-        idle_wait_s: int,
-    ) -> None:
-        self.worker = worker
-        self.connection = worker.connection
-        self.engine = engine
-        self.scheduler = scheduler
-        self.publisher = publisher
-        self.turns = turns
-        self.affinity = affinity
-        self.clock = clock
+    def __init__(self, parts: LoopParts, *, idle_wait_s: int) -> None:
+        self.parts = parts
         self.idle_wait_s = idle_wait_s  # 0: never block on an empty queue (tests)
 
     def next_job(self, block: bool) -> tuple[Job, Queue] | None:
         """The next job of this worker's queues (blocking up to `idle_wait_s` when `block`), or one
         another worker leaves waiting (affinity)."""
-        return self._dequeue_from(self.worker.queues, self.idle_wait_s if block else None) or self.steal()
+        return (
+            self._dequeue_from(self.parts.worker.queues, self.idle_wait_s if block else None) or self.steal()
+        )
 
     def steal(self) -> tuple[Job, Queue] | None:
         """With nothing in its own queues, take an affine job another worker leaves waiting."""
-        for queue in self.affinity.waiting_elsewhere():
+        for queue in self.parts.affinity.waiting_elsewhere():
             dequeued = self._dequeue_from([queue])
             if dequeued is not None:
                 return dequeued
         return None
 
     def _dequeue_from(self, queues: list[Queue], timeout: int | None = None) -> tuple[Job, Queue] | None:
-        return rqexec.dequeue(self.worker, queues, timeout)
+        return rqexec.dequeue(self.parts.worker, queues, timeout)
 
     def take(self, job: Job, queue: Queue) -> HeldJob | Rejected | None:
         """A dequeued job: None if canceled meanwhile (let go), Rejected if invalid, held otherwise."""
@@ -81,7 +60,7 @@ class Intake:
             if request.extends_conversation:  # its prompt waits for the stored conversation (admission)
                 prepared = Prepared([], None, sampling_of(request))
             else:
-                prepared = prepare(self.engine, request)
+                prepared = prepare(self.parts.engine, request)
         except (JobRejected, PromptError) as exc:
             return Rejected(job, queue, f"{type(exc).__name__}: {exc}")
         return self._hold(job, queue, request, prepared, dequeued)
@@ -98,7 +77,7 @@ class Intake:
         enqueued = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
         first = _first_enqueued(job, enqueued)
         job.meta.pop(ERROR_META_KEY, None)  # a job re-queued from the failed registry starts clean
-        execution = rqexec.start_job(self.worker, job, queue)
+        execution = rqexec.start_job(self.parts.worker, job, queue)
         held = HeldJob(
             job=job,
             queue=queue,
@@ -112,20 +91,20 @@ class Intake:
             held_at=time.monotonic(),
             extending=request.extends_conversation,
         )
-        self.scheduler.add(held)  # held from here on: an outage below cannot orphan it
+        self.parts.scheduler.add(held)  # held from here on: an outage below cannot orphan it
         if request.agent_id is not None:
-            self.turns.join(request.agent_id, job.id, first)
-        held.cancel_requested = bool(self.connection.exists(cancel_key(job.id)))
-        self.publisher.start(job.id, execution.id)
-        self.publisher.progress(
-            job, phase="waiting", worker=self.worker.name, prompt_tokens=len(prepared.prompt_tokens)
+            self.parts.turns.join(request.agent_id, job.id, first)
+        held.cancel_requested = bool(self.parts.connection.exists(cancel_key(job.id)))
+        self.parts.publisher.start(job.id, execution.id)
+        self.parts.publisher.progress(
+            job, phase="waiting", worker=self.parts.worker.name, prompt_tokens=len(prepared.prompt_tokens)
         )
-        held.timeline.update(enqueued=enqueued, dequeued=dequeued, dequeued_step=self.clock.count)
-        mark(held, "held", self.clock.count)
+        held.timeline.update(enqueued=enqueued, dequeued=dequeued, dequeued_step=self.parts.clock.count)
+        mark(held, "held", self.parts.clock.count)
         if (
             prepared.prompt_tokens
         ):  # its KV buffers, made while it waits for its turn and cache (engine.reserve)
-            self.engine.reserve(len(prepared.prompt_tokens), prepared.sampling.max_tokens)
+            self.parts.engine.reserve(len(prepared.prompt_tokens), prepared.sampling.max_tokens)
         return held
 
 

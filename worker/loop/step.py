@@ -12,18 +12,13 @@ import logging
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from producer.wire.protocol import ErrorCode
 from worker.loop.held import HeldJob
 from worker.loop.outcomes import Ending, Failed, Finished
-from worker.loop.ports import Engine
-from worker.loop.publisher import Publisher
-from worker.loop.scheduler import Scheduler
+from worker.loop.parts import LoopParts
 from worker.loop.timeline import mark
-from worker.requests.logprobs import LogprobFormatter
-from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from engine.core.results import Completion, StepOutput
@@ -32,52 +27,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvrq.worker")
 
 
-@dataclass
-class StepClock:
-    """The engine steps run so far: the unit of a job's timeline (worker/loop/timeline.py)."""
-
-    count: int = 0
-    started: float = 0.0  # unix time the latest step began
-    cpu: tuple[float, float] = (
-        0.0,
-        0.0,
-    )  # CPU seconds (all threads) of the step before the latest, and the latest
-    seconds: float = 0.0  # wall seconds of the latest step
-
-
 class Stepper:
-    def __init__(
-        self,
-        *,
-        engine: Engine,
-        scheduler: Scheduler,
-        publisher: Publisher,
-        settings: WorkerSettings,
-        logprob_format: LogprobFormatter,
-        counts: dict[str, int],
-    ) -> None:
-        self.engine = engine
-        self.scheduler = scheduler
-        self.publisher = publisher
-        self.settings = settings
-        self.counts = counts
-        self.logprob_format = logprob_format
-        self.clock = StepClock()
+    def __init__(self, parts: LoopParts) -> None:
+        self.parts = parts
 
     def step(self) -> Iterator[Ending]:
         """Run one step; yields the rows that ended (lazily: each is ended before the next is looked at)."""
-        clock = self.clock
+        clock = self.parts.clock
         try:
             clock.count += 1
             clock.started, cpu = time.time(), time.process_time()
-            output = self.engine.step()
+            output = self.parts.engine.step()
             clock.cpu = (clock.cpu[1], time.process_time() - cpu)
             clock.seconds = time.time() - clock.started
         except Exception:
             # One forward pass serves the whole batch: a failed step fails every job in it.
             reason = traceback.format_exc()
-            log.error("engine step failed; failing %d running job(s)", len(self.scheduler.running))
-            for held in list(self.scheduler.running.values()):
+            log.error("engine step failed; failing %d running job(s)", len(self.parts.scheduler.running))
+            for held in list(self.parts.scheduler.running.values()):
                 yield held, Failed(ErrorCode.ENGINE_ERROR, reason, retry=True)
             return
         yield from self.absorb(output)
@@ -91,44 +58,44 @@ class Stepper:
         mono = time.monotonic()
         repeating: list[HeldJob] = []
         for delta in output.deltas:
-            held = self.scheduler.by_uid(delta.uid)
+            held = self.parts.scheduler.by_uid(delta.uid)
             if held is None or held.answer_tokens is not None:
                 continue
             held.generated += 1
-            self.counts["tokens"] += 1
+            self.parts.counts["tokens"] += 1
             if held.generated == 1:
                 held.timeline.update(
-                    step_started=self.clock.started,
-                    step_cpu=self.clock.cpu[1],
-                    step_before_cpu=self.clock.cpu[0],
+                    step_started=self.parts.clock.started,
+                    step_cpu=self.parts.clock.cpu[1],
+                    step_before_cpu=self.parts.clock.cpu[0],
                 )
-                mark(held, "first_token", self.clock.count)
+                mark(held, "first_token", self.parts.clock.count)
             text = delta.text if held.output is None else self._split(held, held.output.feed(delta.text))
             if held.output is not None and held.output.repeated_call:
                 held.answer_tokens = held.generated  # the answer ends with this token
                 repeating.append(held)  # only rows that wrote this step can have just repeated a call
-            self.publisher.delta(held.id, text, delta.token)
+            self.parts.publisher.delta(held.id, text, delta.token)
             if delta.logprobs is not None:
-                entry = self.logprob_format(delta.token, delta.logprobs)
-                self.publisher.data(held.id, "logprobs", entry.model_dump(mode="json"))
-            if mono - held.progress_at >= self.settings.progress_interval:
+                entry = self.parts.logprob_format(delta.token, delta.logprobs)
+                self.parts.publisher.data(held.id, "logprobs", entry.model_dump(mode="json"))
+            if mono - held.progress_at >= self.parts.settings.progress_interval:
                 held.progress_at = mono
                 timeline = {"timeline": held.timeline} if held.generated == 1 else {}
-                self.publisher.progress(held.job, generated_tokens=held.generated, **timeline)
+                self.parts.publisher.progress(held.job, generated_tokens=held.generated, **timeline)
         completions = list(output.completions)
         ended = {completion.uid for completion in completions}
         for held in repeating:
             assert held.output is not None and held.uid is not None
             held.output.repeated_call = False  # asked once: its completion comes now or with a step
-            if held.uid not in ended and (completion := self.engine.finish(held.uid)) is not None:
+            if held.uid not in ended and (completion := self.parts.engine.finish(held.uid)) is not None:
                 completions.append(completion)
         for completion in completions:
-            held = self.scheduler.by_uid(completion.uid)
+            held = self.parts.scheduler.by_uid(completion.uid)
             if held is not None:
                 if held.answer_tokens is not None:
                     completion = answer_ended_at(completion, held.answer_tokens)
                 if held.output is not None and (rest := self._split(held, held.output.finish())):
-                    self.publisher.delta(held.id, rest, None)
+                    self.parts.publisher.delta(held.id, rest, None)
                 yield held, Finished(completion)
 
     def _split(self, held: HeldJob, pieces: list[Piece]) -> str:
@@ -136,9 +103,9 @@ class Stepper:
         text = []
         for piece in pieces:
             if piece.kind == "reasoning":
-                self.publisher.reasoning(held.id, piece.text)
+                self.parts.publisher.reasoning(held.id, piece.text)
             elif piece.call is not None:
-                self.publisher.data(held.id, "tool_call", piece.call.model_dump(mode="json"))
+                self.parts.publisher.data(held.id, "tool_call", piece.call.model_dump(mode="json"))
             else:
                 text.append(piece.text)
         return "".join(text)

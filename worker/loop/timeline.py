@@ -11,6 +11,7 @@ progress write of its first token, which it makes anyway.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Literal
 
 from worker.loop.held import HeldJob
@@ -26,3 +27,14 @@ def mark(held: HeldJob, milestone: Milestone, steps: int) -> None:
     if milestone not in held.timeline:
         held.timeline[milestone] = time.time()
         held.timeline[f"{milestone}_step"] = steps
+
+
+@dataclass
+class StepClock:
+    """The engine steps run so far: the unit of a job's timeline (`mark`)."""
+
+    count: int = 0
+    started: float = 0.0  # unix time the latest step began
+    #: CPU seconds (all threads) of the step before the latest, and of the latest.
+    cpu: tuple[float, float] = (0.0, 0.0)
+    seconds: float = 0.0  # wall seconds of the latest step

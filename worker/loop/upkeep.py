@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from rq.job import JobStatus
 
 from producer.wire import protocol as wire
-from worker.fleet.agent_turns import AgentTurns
 from worker.fleet.latency import LatencyHistograms
 from worker.fleet.liveness import LivenessBeacon
 from worker.fleet.maintenance import clean_queues, rerun_crashed
@@ -20,41 +19,20 @@ from worker.fleet.memory import memory_field
 from worker.jobs import rqexec
 from worker.jobs.scheduled_jobs import ScheduledJobs
 from worker.loop.outcomes import Ending, TakenOver
-from worker.loop.ports import Engine, Store
-from worker.loop.scheduler import Scheduler
-from worker.settings import WorkerSettings
+from worker.loop.parts import LoopParts
 
 log = logging.getLogger("kvrq.worker")
 
 
 class Upkeep:
-    def __init__(
-        self,
-        *,
-        worker: rqexec.KvrqWorker,
-        engine: Engine,
-        store: Store | None,
-        scheduler: Scheduler,
-        turns: AgentTurns,
-        beacon: LivenessBeacon,
-        settings: WorkerSettings,
-        model_name: str,
-        latency: LatencyHistograms,
-        counts: dict[str, int],
-    ) -> None:
-        self.worker = worker
-        self.connection = worker.connection
-        self.engine = engine
-        self.store = store
-        self.scheduler = scheduler
-        self.turns = turns
+    def __init__(self, parts: LoopParts, *, beacon: LivenessBeacon, latency: LatencyHistograms) -> None:
+        self.parts = parts
         self.beacon = beacon
-        self.settings = settings
-        self.model_name = model_name
         self.latency = latency
-        self.counts = counts
-        names = [q.name for q in worker.queues]
-        self.scheduled = ScheduledJobs(self.connection, names, worker.name, settings.scheduler_interval)
+        names = [q.name for q in parts.worker.queues]
+        self.scheduled = ScheduledJobs(
+            parts.connection, names, parts.worker.name, parts.settings.scheduler_interval
+        )
         self.next_heartbeat = 0.0
         self.next_crash_check = 0.0
         self.next_maintenance = 0.0
@@ -74,18 +52,21 @@ class Upkeep:
     def after_outage(self, delay: float) -> None:
         """Every liveness key may have expired meanwhile: both checks that re-run dead workers' jobs (the
         crash check, and maintenance's) wait until the peers have beaten again."""
-        peers_beat = time.monotonic() + delay + self.settings.liveness_ttl
+        peers_beat = time.monotonic() + delay + self.parts.settings.liveness_ttl
         self.next_crash_check = peers_beat
         self.next_maintenance = max(self.next_maintenance, peers_beat)
 
     def heartbeat(self) -> Iterator[Ending]:
-        if rqexec.register_again(self.worker):
+        if rqexec.register_again(self.parts.worker):
             log.warning(
-                "worker %s had been taken for dead (cut off from Redis): registered again", self.worker.name
+                "worker %s had been taken for dead (cut off from Redis): registered again",
+                self.parts.worker.name,
             )
-        held = self.scheduler.all()
-        signals = rqexec.heartbeat(self.worker, [(h.job, h.execution) for h in held], self.worker_fields())
-        for agent in self.turns.refresh():
+        held = self.parts.scheduler.all()
+        signals = rqexec.heartbeat(
+            self.parts.worker, [(h.job, h.execution) for h in held], self.worker_fields()
+        )
+        for agent in self.parts.turns.refresh():
             log.warning("agent %s: lock taken over elsewhere while this worker held it", agent)
         for h in held:
             sig = signals[h.id]
@@ -93,39 +74,39 @@ class Upkeep:
                 h.cancel_requested = True
             elif not sig.still_ours:
                 yield h, TakenOver(sig.status)
-        self.next_heartbeat = time.monotonic() + self.settings.heartbeat_interval
+        self.next_heartbeat = time.monotonic() + self.parts.settings.heartbeat_interval
 
     def worker_fields(self) -> dict[str, str | int]:
         """What kvrq adds to its rq worker hash: capacity for producers, load for `kvrq status`."""
-        store_stats = self.store.stats() if self.store is not None else {}
+        store_stats = self.parts.store.stats() if self.parts.store is not None else {}
         return {
-            wire.CAPACITY_FIELD: self.settings.held_limit,
-            wire.MODEL_FIELD: self.model_name,
-            wire.CONTEXT_FIELD: self.engine.max_context,
-            wire.MAX_BATCH_FIELD: self.settings.max_batch,
-            wire.POOL_BLOCKS_FIELD: self.engine.pool.total_blocks,
-            wire.FREE_BLOCKS_FIELD: self.engine.pool.free_blocks,
-            wire.RUNNING_FIELD: len(self.scheduler.running),
-            wire.WAITING_FIELD: len(self.scheduler.waiting),
-            wire.PROMPT_TOKENS_FIELD: self.counts["prompt_tokens"],
-            wire.REUSED_TOKENS_FIELD: self.counts["reused_tokens"],
+            wire.CAPACITY_FIELD: self.parts.settings.held_limit,
+            wire.MODEL_FIELD: self.parts.model_name,
+            wire.CONTEXT_FIELD: self.parts.engine.max_context,
+            wire.MAX_BATCH_FIELD: self.parts.settings.max_batch,
+            wire.POOL_BLOCKS_FIELD: self.parts.engine.pool.total_blocks,
+            wire.FREE_BLOCKS_FIELD: self.parts.engine.pool.free_blocks,
+            wire.RUNNING_FIELD: len(self.parts.scheduler.running),
+            wire.WAITING_FIELD: len(self.parts.scheduler.waiting),
+            wire.PROMPT_TOKENS_FIELD: self.parts.counts["prompt_tokens"],
+            wire.REUSED_TOKENS_FIELD: self.parts.counts["reused_tokens"],
             **_cache_fields(store_stats),
-            wire.MEMORY_FIELD: memory_field(self.engine.memory(), store_stats),
+            wire.MEMORY_FIELD: memory_field(self.parts.engine.memory(), store_stats),
             wire.LATENCY_FIELD: self.latency.field(),
         }
 
     def _check_crashes(self) -> None:
-        names = [q.name for q in self.worker.queues]
+        names = [q.name for q in self.parts.worker.queues]
         self.beacon.beat()  # alive by definition: a key expired in an outage must not re-run our jobs
-        report = rerun_crashed(self.connection, names, crash_reruns=self.settings.crash_reruns)
-        self.counts["crash_reruns"] += sum(len(ids) for ids in report.rerun.values())
-        self.next_crash_check = time.monotonic() + self.settings.crash_check_interval
+        report = rerun_crashed(self.parts.connection, names, crash_reruns=self.parts.settings.crash_reruns)
+        self.parts.counts["crash_reruns"] += sum(len(ids) for ids in report.rerun.values())
+        self.next_crash_check = time.monotonic() + self.parts.settings.crash_check_interval
 
     def _maintenance(self) -> None:
-        names = [q.name for q in self.worker.queues]
-        clean_queues(self.connection, names, crash_reruns=self.settings.crash_reruns)
-        self.next_maintenance = time.monotonic() + self.settings.maintenance_interval
-        log.debug("held %d, counts %s", len(self.scheduler), self.counts)
+        names = [q.name for q in self.parts.worker.queues]
+        clean_queues(self.parts.connection, names, crash_reruns=self.parts.settings.crash_reruns)
+        self.next_maintenance = time.monotonic() + self.parts.settings.maintenance_interval
+        log.debug("held %d, counts %s", len(self.parts.scheduler), self.parts.counts)
 
 
 def _cache_fields(stats: dict[str, int]) -> dict[str, int]:

@@ -37,12 +37,14 @@ from worker.loop.backoff import Backoff
 from worker.loop.endings import Endings, Rejected
 from worker.loop.intake import Intake
 from worker.loop.outcomes import COUNTERS, Ending
+from worker.loop.parts import LoopParts
 from worker.loop.ports import Engine, Store
 from worker.loop.publisher import Publisher
 from worker.loop.recent_prefixes import RecentPrefixes
 from worker.loop.scheduler import Scheduler
 from worker.loop.step import Stepper
 from worker.loop.stops import Stops
+from worker.loop.timeline import StepClock
 from worker.loop.upkeep import Upkeep
 from worker.requests.logprobs import LogprobFormatter
 from worker.settings import WorkerSettings
@@ -88,74 +90,32 @@ class WorkerLoop:
         )
         self.turns = AgentTurns(self.connection, rq_worker.name, settings.heartbeat_ttl)
         self.beacon = LivenessBeacon(self.connection, rq_worker.name, settings.liveness_ttl)
-        affinity = Affinity(
-            self.connection, rq_worker, enabled=settings.affinity, wait_s=settings.affinity_wait
-        )
-        logprob_format = LogprobFormatter(engine.tokenizer)
-        #: Jobs without an agent resume from (and feed) the shared prefixes of their namespace, and the
-        #: whole caches recent ones left in this worker's memory (token-granular).
         prefix_reuse = store is not None and settings.prefix_cache_mb != 0
         recent_bytes = int(settings.recent_prefix_mb * 1024 * 1024)
-        recent = RecentPrefixes(recent_bytes) if recent_bytes > 0 else None
-        self.stepper = Stepper(
+        self.parts = LoopParts(
+            worker=rq_worker,
             engine=engine,
+            store=store,
             scheduler=self.scheduler,
             publisher=self.publisher,
-            settings=settings,
-            logprob_format=logprob_format,
-            counts=self.counts,
-        )
-        clock = self.stepper.clock
-        self.endings = Endings(
-            worker=rq_worker,
-            store=store,
-            publisher=self.publisher,
             turns=self.turns,
-            affinity=affinity,
-            recent=recent,
-            prefix_reuse=prefix_reuse,
+            affinity=Affinity(
+                self.connection, rq_worker, enabled=settings.affinity, wait_s=settings.affinity_wait
+            ),
             settings=settings,
             model_name=model_name,
-            logprob_format=logprob_format,
-            engine=engine,
-            scheduler=self.scheduler,
+            logprob_format=LogprobFormatter(engine.tokenizer),
+            clock=StepClock(),
             counts=self.counts,
-        )
-        self.intake = Intake(
-            worker=rq_worker,
-            engine=engine,
-            scheduler=self.scheduler,
-            publisher=self.publisher,
-            turns=self.turns,
-            affinity=affinity,
-            clock=clock,
-            idle_wait_s=idle_wait_s,
-        )
-        self.admitter = Admitter(
-            store=store,
-            publisher=self.publisher,
-            turns=self.turns,
-            recent=recent,
+            recent=RecentPrefixes(recent_bytes) if recent_bytes > 0 else None,
             prefix_reuse=prefix_reuse,
-            settings=settings,
-            clock=clock,
-            engine=engine,
-            scheduler=self.scheduler,
-            counts=self.counts,
         )
+        self.stepper = Stepper(self.parts)
+        self.endings = Endings(self.parts)
+        self.intake = Intake(self.parts, idle_wait_s=idle_wait_s)
+        self.admitter = Admitter(self.parts)
         self.stops = Stops(rq_worker, self.connection, self.scheduler)
-        self.upkeep = Upkeep(
-            worker=rq_worker,
-            store=store,
-            turns=self.turns,
-            beacon=self.beacon,
-            settings=settings,
-            model_name=model_name,
-            latency=self.endings.latency,
-            engine=engine,
-            scheduler=self.scheduler,
-            counts=self.counts,
-        )
+        self.upkeep = Upkeep(self.parts, beacon=self.beacon, latency=self.endings.latency)
         self.draining = False
         self.force_stop = False
         self.drain_deadline = 0.0
@@ -176,7 +136,7 @@ class WorkerLoop:
 
     @property
     def step_s(self) -> float:
-        return self.stepper.clock.seconds
+        return self.parts.clock.seconds
 
     # ---- lifecycle ---------------------------------------------------------------------
 
