@@ -35,17 +35,12 @@ from pathlib import Path
 
 from engine.core.spec import ModelCacheSpec
 from store.agent_ids import agent_key
-from store.backend import (
-    DEFAULT_NAMESPACE,
-    Blob,
-    BlockBackend,
-    NewBlock,
-    WritePlan,
-)
+from store.backend import DEFAULT_NAMESPACE, Blob
 from store.base import log
 from store.block_codec import EncodedBlock
 from store.budget import Usage, split_shared
 from store.checksum import crc32
+from store.commit import NewBlock, WritePlan, WritingBackend
 from store.errors import BadCacheError, StoreError
 from store.iopool import map_parallel, submit
 from store.manifest import (
@@ -66,7 +61,7 @@ _IOV_MAX = 512  # pieces per writev call (the OS limit is 1024 on Linux)
 _STALE_TEMP_S = 3600.0  # a prefix writer's temp file this old was left by a crash
 
 
-class DiskStore(BlockBackend):
+class DiskStore(WritingBackend):
     kind = "disk"
 
     def __init__(
@@ -210,7 +205,7 @@ class DiskStore(BlockBackend):
             os.utime(self._agent_dir(agent_id) / MANIFEST)
 
     # --- writes --------------------------------------------------------------------------------
-    # The put (BlockBackend._commit_put) under the agent's lock: the swap never fails, and the order
+    # The put (WritingBackend._commit_put) under the agent's lock: the swap never fails, and the order
     # blocks (fsynced, renamed), then the manifest (renamed last), then garbage is what survives a crash.
     @contextlib.contextmanager
     def _manifest_guard(self, agent_id: str) -> Iterator[tuple[None, Blob | None]]:

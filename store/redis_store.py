@@ -42,16 +42,11 @@ from engine.core.spec import ModelCacheSpec
 from producer.wire.redis_url import FAILOVER_BUDGET_S, REDIS_DOWN
 from producer.wire.text import as_text
 from store.agent_ids import agent_key
-from store.backend import (
-    DEFAULT_NAMESPACE,
-    Blob,
-    BlockBackend,
-    NewBlock,
-    WritePlan,
-)
+from store.backend import DEFAULT_NAMESPACE, Blob
 from store.base import log
 from store.block_codec import EncodedBlock
 from store.budget import Usage, split_shared
+from store.commit import NewBlock, WritePlan, WritingBackend
 from store.errors import BadCacheError, StoreError
 from store.manifest import (
     BlockRef,
@@ -99,7 +94,7 @@ _PIPELINE_BYTES = 64 * 1024 * 1024  # flush a block-writing pipeline every ~64 M
 MAX_VALUE_BYTES = 4_000_000
 
 
-class RedisStore(BlockBackend):
+class RedisStore(WritingBackend):
     kind = "redis"
     ttl_s: int | None  # EXPIRE takes whole seconds
 
@@ -256,7 +251,7 @@ class RedisStore(BlockBackend):
         """One commit of the put, as `_put_replicated` retries it (tests/fleet replace it to lose one)."""
         return self._commit_put(agent_id, cache, fence, namespace)
 
-    # --- the put's hooks (BlockBackend._commit_put): the guard is a WATCH on the manifest key --------
+    # --- the put's hooks (WritingBackend._commit_put): the guard is a WATCH on the manifest key --------
     def _put_attempts(self) -> Iterator[int]:
         return race_attempts()
 

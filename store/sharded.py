@@ -24,11 +24,11 @@ from __future__ import annotations
 import builtins
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from engine.core.blocks import AgentCache
 from producer.wire.ids import validate_agent_id
-from store.backend import Blob, BlockBackend, NewBlock, WritePlan
+from store.backend import Blob, BlockBackend
 from store.base import log
 from store.block_codec import EncodedBlock
 from store.budget import Usage
@@ -223,26 +223,6 @@ class ShardedStore(BlockBackend):
 
     def _find_versions(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int] | None]:
         raise NotImplementedError("shared blocks are found by the shard an agent or prefix routes to")
-
-    def _manifest_guard(self, agent_id: str) -> Any:
-        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
-
-    def _blocks_exist(self, guard: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
-        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
-
-    def _write_blocks(self, agent_id: str, plan: WritePlan) -> builtins.list[NewBlock]:
-        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
-
-    def _swap_manifest(
-        self,
-        guard: Any,
-        agent_id: str,
-        plan: WritePlan,
-        manifest: Manifest,
-        manifest_blob: bytes,
-        current: Blob | None,
-    ) -> Sequence[tuple[BlockRef, int]] | None:
-        raise NotImplementedError("puts are committed by the shard an agent routes to (_write)")
 
     def _store_prefix(
         self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float

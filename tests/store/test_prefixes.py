@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-import store.backend
+import store.block_codec
 import store.prefix_holds
 from engine.core.blocks import AgentCache
 from store.backend import BlockBackend
@@ -55,7 +55,7 @@ def _cache(backend: BlockBackend, token_ids: list[int]) -> AgentCache:
 def _block_bytes(backend: BlockBackend) -> int:
     """The stored size of one full block (all full blocks of tiny_spec have the same)."""
     probe = _cache(backend, tokens(16, seed=999))
-    return store.backend.encode_block(probe.blocks[0], backend.spec, "none", 0).nbytes
+    return store.block_codec.encode_block(probe.blocks[0], backend.spec, "none", 0).nbytes
 
 
 def _stored_copies(backend: BlockBackend) -> int:
