@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import httpx
 from redis import Redis
@@ -50,6 +51,25 @@ def redis_server() -> str:
     if found is None:
         raise RuntimeError("no redis-server on PATH: apt-get install redis-server; macOS: brew install redis")
     return found
+
+
+class Startable(Protocol):
+    def start(self) -> object: ...
+
+    def stop(self) -> None: ...
+
+
+P = TypeVar("P", bound=Startable)
+
+
+@contextlib.contextmanager
+def running(proc: P) -> Iterator[P]:
+    """`proc` started, and stopped however the block ends."""
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
 
 
 class RedisProcess:

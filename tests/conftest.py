@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.procs import RedisProcess
+from benchmarks.procs import RedisProcess, running
 
 REAL_MODEL_FIXTURES = frozenset({"smollm2"})
 REDIS_SERVER_HINT = "apt-get install redis-server; macOS: brew install redis"
@@ -103,10 +103,8 @@ class RedisServer(RedisProcess):
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One real redis-server for the session; tests flush what they use via `redis_url`."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
+    with running(RedisServer(tmp_path_factory.mktemp("redis"))) as server:
+        yield server
 
 
 @pytest.fixture

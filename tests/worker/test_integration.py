@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 from producer.client import JobFailedError, JobHandle, Producer
 from producer.models import GenerationResult
 from producer.wire.protocol import JOB_FUNCTION
-from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
+from tests.worker.procs import RedisProcess, WorkerProcess, module_redis, wait_for
 from tests.worker.reference import reference_results
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -29,12 +29,7 @@ WORKER = "kvrq-it-shared"
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
 
 
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis-shared"), persistent=True)
-    server.start()
-    yield server
-    server.stop()
+redis_proc = module_redis("shared", persistent=True)
 
 
 @pytest.fixture(scope="module")

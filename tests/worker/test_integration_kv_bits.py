@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from producer.client import Producer
-from tests.worker.procs import RedisProcess, WorkerProcess
+from tests.worker.procs import RedisProcess, module_redis, worker_per_queue
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -20,34 +20,15 @@ SYSTEM = "You are a concise assistant. Answer in one short sentence."
 QUESTIONS = ["Name a colour.", "Name a fruit of that colour.", "Is it sweet?"]
 
 
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis-kv-bits"))
-    server.start()
-    yield server
-    server.stop()
+redis_proc = module_redis("kv-bits")
 
 
 @pytest.fixture(scope="module")
 def workers(redis_proc: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    common = ["--store", "redis", "--max-batch", "2"]
-    procs = [
-        WorkerProcess(
-            redis_proc.url,
-            tmp_path_factory.mktemp(f"kv-bits-{queue}"),
-            name=f"kvrq-kvbits-{queue}",
-            queue=queue,
-            args=[*common, *extra],
-        )
-        for queue, extra in (("q8", ["--kv-bits", "8"]), ("fp", []))
-    ]
-    try:
-        for proc in procs:
-            proc.start()
+    args = ["--store", "redis", "--max-batch", "2"]
+    extra = {"q8": ["--kv-bits", "8"]}
+    with worker_per_queue(redis_proc.url, tmp_path_factory, "kvbits", ("q8", "fp"), args, extra):
         yield
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 def test_an_agent_alternating_between_a_q8_pool_and_a_float_pool_resumes_every_turn(

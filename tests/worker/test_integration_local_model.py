@@ -21,7 +21,7 @@ from engine.models.load import load_model
 from producer.client import Producer
 from producer.models import GenerationRequest
 from tests.engine.tiny import model_config, save_model_folder, tiny_model
-from tests.worker.procs import RedisProcess, WorkerProcess
+from tests.worker.procs import RedisProcess, WorkerProcess, module_redis
 from worker.requests.prompts import prompt_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -42,12 +42,7 @@ def model_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     return folder
 
 
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis-local-model"))
-    server.start()
-    yield server
-    server.stop()
+redis_proc = module_redis("local-model")
 
 
 @pytest.fixture(scope="module")

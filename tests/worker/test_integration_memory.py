@@ -17,7 +17,7 @@ import pytest
 
 from producer.client import Producer
 from producer.models import GenerationResult
-from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for, worker_per_queue
+from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, module_redis, wait_for, worker_per_queue
 from tests.worker.test_integration_crash import FAST_LIVENESS, generating, holder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -34,12 +34,7 @@ def answer(result: GenerationResult) -> dict[str, str]:
     return {"role": "assistant", "content": result.text}
 
 
-@pytest.fixture(scope="module")
-def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis-memory"))
-    server.start()
-    yield server
-    server.stop()
+shared_redis = module_redis("memory")
 
 
 @pytest.fixture(scope="module")

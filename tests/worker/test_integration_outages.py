@@ -18,7 +18,7 @@ from producer.client import JobHandle, Producer
 from tests.conftest import in_ci
 from tests.worker.chaos_checks import ENDED, deliveries, summary
 from tests.worker.fuzz_jobs import enqueue, failure_problem, fuzz_cases
-from tests.worker.procs import RedisProcess, WorkerProcess, wait_for
+from tests.worker.procs import RedisProcess, WorkerProcess, module_redis, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,12 +26,7 @@ STORY = "Once upon a time, in a small village by the sea,"
 QUESTION = [{"role": "user", "content": "Describe the sea in a few words."}]
 
 
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis-outages"), persistent=True)
-    server.start()
-    yield server
-    server.stop()
+redis_proc = module_redis("outages", persistent=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 from producer.client import JobHandle, Producer
 from producer.models import GenerationResult
-from tests.worker.procs import RedisProcess, WorkerProcess, worker_per_queue
+from tests.worker.procs import RedisProcess, WorkerProcess, module_redis, worker_per_queue
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.mlx_path]
 
@@ -24,12 +24,7 @@ SYSTEM = "You are a concise assistant. Answer in one short sentence."
 QUESTIONS = ["Name a colour.", "Name a fruit of that colour.", "Is it sweet?", "Name an animal."]
 
 
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis-resume"))
-    server.start()
-    yield server
-    server.stop()
+redis_proc = module_redis("resume")
 
 
 @pytest.fixture(scope="module")

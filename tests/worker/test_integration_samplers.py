@@ -17,7 +17,7 @@ import pytest
 
 from producer.client import JobFailedError, Producer
 from producer.wire.protocol import ErrorCode
-from tests.worker.procs import RedisProcess, WorkerProcess
+from tests.worker.procs import RedisProcess, WorkerProcess, module_redis
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,12 +25,7 @@ VOCAB = 49152  # the builtin tokenizer's
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis-samplers"))
-    server.start()
-    yield server
-    server.stop()
+redis_proc = module_redis("samplers")
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from rq.registry import (
 from rq.scheduler import RQScheduler
 
 from producer.wire.protocol import JOB_FUNCTION
-from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, wait_for
+from tests.worker.procs import ROOT, RedisProcess, WorkerProcess, module_redis, wait_for
 from tests.worker.rq_functions import calls_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -46,12 +46,7 @@ FUNCTIONS = "tests.worker.rq_functions"
 MAX_BATCH = 2  # a kvrq worker dequeues while its engine has free slots; a plain rq worker holds one job
 
 
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis-conformance"))
-    server.start()
-    yield server
-    server.stop()
+redis_proc = module_redis("conformance")
 
 
 @pytest.fixture(scope="module")
