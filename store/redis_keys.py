@@ -94,6 +94,11 @@ def parse_pointer(share: str, value: object) -> tuple[str, int, int] | None:
         return None
 
 
+def links_value(links: Sequence[tuple[str, int]]) -> str:
+    """A `links` entry for these (name, bytes) shared blocks (parse_links reads it back)."""
+    return ",".join(f"{name}:{nbytes}" for name, nbytes in links)
+
+
 def parse_links(value: bytes | str | None) -> tuple[tuple[str, int], ...]:
     """A `links` entry: the (name, bytes) of the shared blocks an agent uses (none for a store
     written before links were kept, whose `sizes` then counted them as its own)."""

@@ -57,6 +57,16 @@ class SharedBlocks:
                 self.scripting = False
         return self.scripting
 
+    def agent_users(self, names: Sequence[str]) -> list[int]:
+        """The reference count of each shared block: the agents in its reference set (the prefix hold
+        is not one), read in one pipeline."""
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.scard(self.keys.refs(name))
+            pipe.sismember(self.keys.refs(name), PREFIX_HOLDER)
+        replies = pipe.execute()
+        return [int(members) - int(held) for members, held in zip(replies[::2], replies[1::2], strict=True)]
+
     # --- inside a MULTI ------------------------------------------------------------------------
     def queue_expiry(self, tx: Any, key: str, *, persist: bool) -> None:
         """A committed value's expiry: the agent TTL when there is one; otherwise none, where `persist`

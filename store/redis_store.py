@@ -60,6 +60,7 @@ from store.prefix_holds import PrefixEntry, PrefixWrite, prefix_recency
 from store.redis_keys import (
     RedisKeys,
     as_blob,
+    links_value,
     parse_links,
     parse_pointer,
     share_of,
@@ -67,7 +68,7 @@ from store.redis_keys import (
 )
 from store.redis_pins import PinnedKeys
 from store.redis_reads import fetch_into_place, fetch_with_client
-from store.redis_shared import PREFIX_HOLDER, SharedBlocks
+from store.redis_shared import SharedBlocks
 from store.replication import (
     UNREPLICATED_HOLD_S,
     Replication,
@@ -415,7 +416,7 @@ class RedisStore(WritingBackend):
         tx.zadd(self.keys.index, {agent_id: time.time()})
         tx.hset(self.keys.sizes, agent_id, own_bytes)
         if links:
-            tx.hset(self.keys.links, agent_id, ",".join(f"{name}:{nbytes}" for name, nbytes in links))
+            tx.hset(self.keys.links, agent_id, links_value(links))
         else:
             tx.hdel(self.keys.links, agent_id)
 
@@ -520,26 +521,16 @@ class RedisStore(WritingBackend):
         if not members:
             return []
         names = [as_text(member) for member, _ in members]
-        pipe = self._client.pipeline(transaction=False)
-        pipe.hmget(self.keys.prefix_sizes, names)
-        for name in names:
-            pipe.scard(self.keys.refs(name))
-            pipe.sismember(self.keys.refs(name), PREFIX_HOLDER)
-        sizes, *counts = pipe.execute()
+        sizes: Any = self._client.hmget(self.keys.prefix_sizes, names)
+        users = self.shared_blocks.agent_users(names)
         entries = []
-        for index, (name, (_member, score)) in enumerate(zip(names, members, strict=True)):
-            nbytes, _, part_bytes = as_text(sizes[index] or b"0:0").partition(":")
-            agents = int(counts[2 * index]) - int(counts[2 * index + 1])
+        for name, (_member, score), size, agents in zip(names, members, sizes, users, strict=True):
+            nbytes, _, part_bytes = as_text(size or b"0:0").partition(":")
             entries.append(PrefixEntry(name, int(nbytes), float(score), agents, int(part_bytes or 0)))
         return entries
 
     def _shared_users(self, name: str) -> int:
-        refs_key = self.keys.refs(name)
-        pipe = self._client.pipeline(transaction=False)
-        pipe.scard(refs_key)
-        pipe.sismember(refs_key, PREFIX_HOLDER)
-        users, held = pipe.execute()
-        return int(users) - int(held)
+        return self.shared_blocks.agent_users([name])[0]
 
     def _drop_hold(self, entry: PrefixEntry) -> bool:
         """Drop the hold and collect the block by the release every agent's commit uses (atomic: the

@@ -188,3 +188,9 @@ def test_get_refreshes_last_used(backend_factory: Factory) -> None:
     assert store.get("a") is not None
     info = store.info("a")
     assert info is not None and info.last_used > time.time() - 60
+
+
+@pytest.mark.parametrize("ttl_s", [0, -5])
+def test_a_ttl_that_is_not_positive_is_refused(backend_factory: Factory, ttl_s: int) -> None:
+    with pytest.raises(ValueError, match="ttl_s must be positive"):
+        backend_factory(tiny_spec(), ttl_s=ttl_s)

@@ -21,7 +21,8 @@ from engine.core.blocks import AgentCache
 from store.backend import BlockBackend
 from store.disk import DiskStore
 from store.hot import HotTierStore
-from store.redis_store import PREFIX_HOLDER, RedisStore
+from store.redis_shared import PREFIX_HOLDER
+from store.redis_store import RedisStore
 from tests.store.conftest import (
     assert_same_cache,
     backends_of_kind,
