@@ -208,7 +208,11 @@ class DictStore:
         namespace: str | None = None,
     ) -> Future[AgentCache | None]:
         self.prefetches.append(agent_id)
-        return done(self.get(agent_id, prompt_tokens=prompt_tokens))
+        return self.read(agent_id)
+
+    def read(self, agent_id: str) -> Future[AgentCache | None]:
+        """A prefetch's read, apart from its bookkeeping: what a failing or slow store overrides."""
+        return done(self.get(agent_id))
 
     def prefetch_prefix(
         self, prompt_tokens: Sequence[int], *, namespace: str | None = None

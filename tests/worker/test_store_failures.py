@@ -8,14 +8,13 @@ The real-process version (a store on a full tmpfs) is in test_integration_outage
 from __future__ import annotations
 
 import errno
-from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 
 from engine.core.blocks import AgentCache
 from engine.core.errors import CacheMismatchError
-from engine.core.params import SamplingParams
 from producer.client import JobHandle
 from producer.wire.protocol import agent_lock_key
 from store.errors import StoreError
@@ -42,22 +41,14 @@ class FailingStore(DictStore):
         self.put_raises = put_raises
         self.put_fails = put_fails
 
-    def prefetch(
-        self,
-        agent_id: str,
-        *,
-        prompt_tokens: Sequence[int] | None,
-        fence: int | None = None,
-        namespace: str | None = None,
-    ) -> Future[AgentCache | None]:
-        self.prefetches.append(agent_id)
+    def read(self, agent_id: str) -> Future[AgentCache | None]:
         if self.prefetch_raises:
             raise StoreError("prefetch on a closed store")
         if self.prefetch_fails:
             failed: Future[AgentCache | None] = Future()
             failed.set_exception(OSError(errno.EIO, "Input/output error"))
             return failed
-        return super().prefetch(agent_id, prompt_tokens=prompt_tokens)
+        return super().read(agent_id)
 
     def put(
         self, agent_id: str, cache: AgentCache, *, fence: int | None = None, namespace: str | None = None
@@ -75,18 +66,10 @@ class FailingStore(DictStore):
 class OtherModelEngine(FakeEngine):
     """Refuses every saved cache the way the real engine refuses a cache of another model."""
 
-    def submit(
-        self,
-        agent_id: str | None,
-        prompt_tokens: Sequence[int],
-        params: SamplingParams,
-        *,
-        cache: AgentCache | None = None,
-        keep_cache: bool = True,
-    ) -> int:
-        if cache is not None:
+    def submit(self, *args: Any, **kwargs: Any) -> int:
+        if kwargs.get("cache") is not None:
             raise CacheMismatchError("the cache was made by model 'other', this engine runs 'fake'")
-        return super().submit(agent_id, prompt_tokens, params, cache=cache, keep_cache=keep_cache)
+        return super().submit(*args, **kwargs)
 
 
 PROMPT = "hello there"

@@ -5,7 +5,7 @@ in the same forward). Steps are counted, not timed: bench_worker.py --warm-join 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -13,7 +13,6 @@ import pytest
 
 from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.blocks import AgentCache
-from engine.core.params import SamplingParams
 from engine.core.results import StepOutput
 from producer.client import JobHandle
 from tests.engine.tiny import ByteTokenizer, tiny_model
@@ -38,17 +37,9 @@ class CountingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def submit(
-        self,
-        agent_id: str | None,
-        prompt_tokens: Sequence[int],
-        params: SamplingParams,
-        *,
-        cache: AgentCache | None = None,
-        keep_cache: bool = True,
-    ) -> int:
-        uid = int(self.inner.submit(agent_id, prompt_tokens, params, cache=cache, keep_cache=keep_cache))
-        self.submits.append((self.steps, agent_id, cache, uid))
+    def submit(self, agent_id: str | None, *args: Any, **kwargs: Any) -> int:
+        uid = int(self.inner.submit(agent_id, *args, **kwargs))
+        self.submits.append((self.steps, agent_id, kwargs.get("cache"), uid))
         return uid
 
     def step(self) -> StepOutput:
@@ -150,15 +141,7 @@ class SlowReadStore(DictStore):
         self.steps_run = steps_run
         self.reads: list[tuple[int, Future[AgentCache | None]]] = []  # (engine steps run when it began, read)
 
-    def prefetch(
-        self,
-        agent_id: str,
-        *,
-        prompt_tokens: Sequence[int] | None,
-        fence: int | None = None,
-        namespace: str | None = None,
-    ) -> Future[AgentCache | None]:
-        self.prefetches.append(agent_id)
+    def read(self, agent_id: str) -> Future[AgentCache | None]:
         read: Future[AgentCache | None] = Future()
         self.reads.append((self.steps_run(), read))
         return read
