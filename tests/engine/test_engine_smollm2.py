@@ -14,6 +14,7 @@ from engine.core.errors import InvalidRequestError
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
 from tests.engine.test_engine_tiny import INVALID_REQUESTS
+from tests.engine.tiny import run_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx_path]
 
@@ -38,14 +39,6 @@ def engine(smollm2: tuple[Any, Any]) -> Iterator[BlockPoolBatchEngine]:
 
 def prompt_of(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-
-def run_all(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
-    done: dict[int, Completion] = {}
-    while engine.has_work():
-        for completion in engine.step().completions:
-            done[completion.uid] = completion
-    return done
 
 
 def test_greedy_output_is_byte_identical_to_mlx_lm(

@@ -16,7 +16,7 @@ from engine.core.errors import (
 )
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
-from tests.engine.tiny import ByteTokenizer, tiny_model
+from tests.engine.tiny import ByteTokenizer, run_all, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +31,6 @@ def engine(model: object) -> Iterator[BlockPoolBatchEngine]:
     )
     yield eng
     eng.close()
-
-
-def run_all(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
-    done: dict[int, Completion] = {}
-    for _ in range(10_000):
-        if not engine.has_work():
-            return done
-        for completion in engine.step().completions:
-            done[completion.uid] = completion
-    raise AssertionError("engine did not finish")
 
 
 PROMPT = list(b"hello world")

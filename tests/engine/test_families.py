@@ -16,7 +16,7 @@ from engine.core.errors import UnsupportedModelError
 from engine.core.params import SamplingParams
 from engine.core.results import Completion
 from store import open_store
-from tests.engine.tiny import QUANTIZABLE, ByteTokenizer, tiny_model
+from tests.engine.tiny import QUANTIZABLE, ByteTokenizer, run_all, tiny_model
 
 pytestmark = pytest.mark.mlx_path  # run again with KVRQ_CPU_SHORTCUTS=0 by .ci/test
 
@@ -86,16 +86,6 @@ def reference(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
 
 def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
-
-
-def run_all(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
-    done: dict[int, Completion] = {}
-    for _ in range(10_000):
-        if not engine.has_work():
-            return done
-        for completion in engine.step().completions:
-            done[completion.uid] = completion
-    raise AssertionError("engine did not finish")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

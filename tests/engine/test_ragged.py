@@ -14,7 +14,7 @@ from engine.core.params import SamplingParams
 from engine.core.results import Completion, StepOutput
 from engine.cpu.gemm_rows import padded_rows
 from engine.cpu.shortcuts import cpu_shortcuts
-from tests.engine.tiny import ByteTokenizer, tiny_model
+from tests.engine.tiny import ByteTokenizer, run_all, tiny_model
 
 pytestmark = pytest.mark.mlx_path  # run again with KVRQ_CPU_SHORTCUTS=0 by .ci/test
 
@@ -40,16 +40,6 @@ def engine(model: object) -> Iterator[BlockPoolBatchEngine]:
 
 def prompt(n_tokens: int, salt: int = 0) -> list[int]:
     return [1 + (i * 7 + salt * 13) % 250 for i in range(n_tokens)]
-
-
-def run_all(engine: BlockPoolBatchEngine) -> dict[int, Completion]:
-    done: dict[int, Completion] = {}
-    for _ in range(10_000):
-        if not engine.has_work():
-            return done
-        for completion in engine.step().completions:
-            done[completion.uid] = completion
-    raise AssertionError("engine did not finish")
 
 
 def tokens_of(output: StepOutput) -> set[int]:
