@@ -1,18 +1,20 @@
 """Byte budgets: least recently used agents are evicted until the store fits max_bytes, pinned ones never.
 
-Written once for every backend (BlockBackend mixes it in): a backend supplies what it holds
-(`_usage`) and how to remove one agent (`_remove`, atomic on its side, conditional for damaged caches).
+Written once for the backends that store caches (BlockStore mixes it in): a backend supplies what it
+holds (`_usage`) and how to remove one agent (`_remove`, atomic on its side, conditional for damaged
+caches).
 """
 
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from store.base import Stats, log
+from store.backend import BlockBackend
+from store.base import log
 from store.manifest import parse_shared_name
 
 BUDGET_RESCAN_S = 5.0
@@ -44,12 +46,9 @@ def split_shared(blocks: Iterable[tuple[str, int]]) -> tuple[int, tuple[tuple[st
     return own, tuple(shared)
 
 
-class ByteBudget(ABC):
+class ByteBudget(BlockBackend):
     """The agents' byte budget of a store (`max_bytes`; None: none)."""
 
-    kind: str
-    max_bytes: int | None
-    _stats: Stats
     _estimated_bytes: int = 0
     _last_scan: float = -float("inf")
 

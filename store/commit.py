@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from engine.core.blocks import AgentCache
-from store.backend import Blob, BlockBackend
+from store.backend import Blob
 from store.base import log
 from store.block_codec import EncodedBlock, encode_block
 from store.errors import BadCacheError, StoreError
@@ -36,6 +36,7 @@ from store.manifest import (
     shared_name,
     stored_fence,
 )
+from store.policy import BlockStore
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,8 @@ class WritePlan:
         return dataclasses.replace(self.draft, blocks=refs)
 
 
-class WritingBackend(BlockBackend):
-    """A BlockBackend that stores its blocks itself: the put over its put-many and compare-and-swap."""
+class WritingBackend(BlockStore):
+    """The put of a BlockStore, over its put-many and compare-and-swap."""
 
     def _write(self, agent_id: str, cache: AgentCache, fence: int | None, namespace: str) -> bool:
         """`put` once its arguments are checked (a replicated Redis confirms it on its replicas)."""

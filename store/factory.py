@@ -7,11 +7,10 @@ from pathlib import Path
 
 from engine.core.spec import ModelCacheSpec
 from producer.wire.redis_url import DEFAULT_REDIS_URL
-from store.backend import DEFAULT_NAMESPACE, BlockBackend
+from store.backend import DEFAULT_NAMESPACE, DEFAULT_PREFIX_BYTES, BlockBackend
 from store.disk import MARKER, DiskStore
 from store.errors import StoreError
 from store.hot import HotTierStore
-from store.prefix_holds import DEFAULT_PREFIX_BYTES
 from store.quant import Quantization
 from store.redis_store import DEFAULT_PREFIX, Connect, RedisStore
 from store.shard_url import is_sharded_uri, parse_shards, redact

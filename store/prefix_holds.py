@@ -1,28 +1,25 @@
 """Anonymous prefixes: full blocks held without an agent, for later jobs of the namespace, under their own
 LRU byte budget (`prefix_max_bytes`).
 
-Written once for every backend (BlockBackend mixes it in). A hold is one more reference on a shared
-block; a backend supplies the hold itself (`_store_prefix`, `_touch_prefix`, `_drop_hold`), what is
-held (`_prefix_entries`) and a block's reference count (`_shared_users`).
+Written once for the backends that store caches (BlockStore mixes it in). A hold is one more reference
+on a shared block; a backend supplies the hold itself (`_store_prefix`, `_touch_prefix`,
+`_drop_hold`), what is held (`_prefix_entries`) and a block's reference count (`_shared_users`).
 """
 
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.core.blocks import AgentCache
-from engine.core.spec import ModelCacheSpec
-from store.base import Stats, log
+from store.backend import BlockBackend
+from store.base import log
 from store.block_codec import EncodedBlock, encode_block
 from store.budget import BUDGET_RESCAN_S
 from store.manifest import BlockRef, chain_keys, parse_shared_name, share_keys
 
-# Anonymous prefixes (get_prefix / put_prefix) are held under their own budget: by default a quarter of
-# the store's max_bytes, or this much in a store without one; 0 turns them off.
-DEFAULT_PREFIX_BYTES = 1024 * 1024 * 1024
 # A prefix touched at time t records block i at t - i * _DEPTH_STEP_S: a block is never less recent
 # than the blocks after it, so LRU eviction takes a run's tail first and never strands a tail.
 _DEPTH_STEP_S = 1e-6
@@ -54,30 +51,17 @@ class PrefixWrite:
     bytes_written: int = 0
 
 
-class PrefixHolds(ABC):
+class PrefixHolds(BlockBackend):
     """get_prefix / put_prefix and the prefix budget, over the backend's holds and reference counts."""
 
-    kind: str
-    spec: ModelCacheSpec
-    quantization: str
-    group_size: int
-    part_bytes: int
-    prefix_max_bytes: int
-    _stats: Stats
     _prefix_estimate: int = 0
     _prefix_last_scan: float = -float("inf")
 
     # --- what the store around it provides ----------------------------------------------------
     @abstractmethod
-    def effective_namespace(self, namespace: str | None) -> str: ...
-
-    @abstractmethod
     def _shared_run(
         self, label: str, prompt_tokens: Sequence[int], have: int, namespace: str
     ) -> tuple[AgentCache, tuple[BlockRef, ...]] | None: ...
-
-    @abstractmethod
-    def _io_errors(self) -> tuple[type[Exception], ...]: ...
 
     # --- the policy ----------------------------------------------------------------------------
     def get_prefix(self, prompt_tokens: Sequence[int], *, namespace: str | None = None) -> AgentCache | None:

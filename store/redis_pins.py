@@ -2,7 +2,7 @@
 
 With `ttl_s` every key of an agent lives ttl_s past its last use, and a shared block ttl_s past its
 last use by any agent. A pinned agent (`kvrq cache pin`) is in the `pinned` set: budgets skip it
-(BlockBackend's policy), and here its keys and those of the shared blocks it uses, whoever touches
+(BlockStore's policy), and here its keys and those of the shared blocks it uses, whoever touches
 them, lose their expiry.
 """
 

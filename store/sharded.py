@@ -28,13 +28,10 @@ from typing import TypeVar
 
 from engine.core.blocks import AgentCache
 from producer.wire.ids import validate_agent_id
-from store.backend import Blob, BlockBackend
-from store.base import log
-from store.block_codec import EncodedBlock
-from store.budget import Usage
+from store.backend import BlockBackend
+from store.base import CacheInfo, log
 from store.errors import StoreError
-from store.manifest import BlockRef, Manifest
-from store.prefix_holds import PrefixEntry, PrefixWrite
+from store.manifest import Manifest
 
 T = TypeVar("T")
 
@@ -132,11 +129,14 @@ class ShardedStore(BlockBackend):
     def record_miss(self, agent_id: str, reason: str, detail: str) -> None:
         self.shard_for(agent_id).record_miss(agent_id, reason, detail)
 
-    def _info_record(self, agent_id: str) -> tuple[Blob, float, bool] | None:
-        return self.shard_for(agent_id)._info_record(agent_id)
+    def info(self, agent_id: str) -> CacheInfo | None:
+        return self.shard_for(validate_agent_id(agent_id)).info(agent_id)
 
-    def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
-        return self.shard_for(agent_id)._set_pinned(agent_id, pinned)
+    def pin(self, agent_id: str) -> bool:
+        return self.shard_for(validate_agent_id(agent_id)).pin(agent_id)
+
+    def unpin(self, agent_id: str) -> bool:
+        return self.shard_for(validate_agent_id(agent_id)).unpin(agent_id)
 
     def delete(self, agent_id: str) -> bool:
         """Delete the agent on its shard, and any copy a shard held before shards were added (so a
@@ -193,47 +193,5 @@ class ShardedStore(BlockBackend):
         for shard in self.shards:
             shard.close()
 
-    # --- BlockBackend's raw hooks: routed per agent; the prefix ones are reached only through the
-    # --- shards' own public methods above, never through this object's ---------------------------
-    def _read_manifest(self, agent_id: str) -> Blob | None:
-        return self.shard_for(agent_id)._read_manifest(agent_id)
-
-    def _fetch_blocks(
-        self, agent_id: str | None, manifest: Manifest, refs: Sequence[BlockRef]
-    ) -> builtins.list[tuple[Blob, int] | None]:
-        if agent_id is None:
-            raise NotImplementedError("shared blocks are read by the shard an agent or prefix routes to")
-        return self.shard_for(agent_id)._fetch_blocks(agent_id, manifest, refs)
-
-    def _touch(self, agent_id: str, manifest: Manifest) -> None:
-        self.shard_for(agent_id)._touch(agent_id, manifest)
-
-    def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
-        return self.shard_for(handle)._remove(handle, only_if)
-
-    def _usage(self) -> builtins.list[Usage]:
-        return [usage for usages in self._each(lambda shard: shard._usage(), "usage") for usage in usages]
-
-    def _prefix_entries(self) -> builtins.list[PrefixEntry]:
-        found = self._each(lambda shard: shard._prefix_entries(), "prefix entries")
-        return [entry for entries in found for entry in entries]
-
     def _backend_errors(self) -> tuple[type[Exception], ...]:
         return tuple({error for shard in self.shards for error in shard._backend_errors()})
-
-    def _find_versions(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int] | None]:
-        raise NotImplementedError("shared blocks are found by the shard an agent or prefix routes to")
-
-    def _store_prefix(
-        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
-    ) -> PrefixWrite:
-        raise NotImplementedError("prefixes are written by the shard their first block routes to")
-
-    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
-        raise NotImplementedError("prefixes are touched by the shard their first block routes to")
-
-    def _shared_users(self, name: str) -> int:
-        raise NotImplementedError("shared blocks are counted by the shard that holds them")
-
-    def _drop_hold(self, entry: PrefixEntry) -> bool:
-        raise NotImplementedError("prefix blocks are evicted by the shard that holds them")

@@ -238,7 +238,7 @@ def test_damaged_cache_is_not_deleted_once_a_writer_replaced_it(backend_factory:
 def test_an_unforeseen_error_while_reading_is_a_miss_with_a_traceback(
     backend_factory: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from store import backend as backend_module
+    from store import policy as policy_module
 
     spec = tiny_spec()
     store = backend_factory(spec)
@@ -247,7 +247,7 @@ def test_an_unforeseen_error_while_reading_is_a_miss_with_a_traceback(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug in decoding")
 
-    monkeypatch.setattr(backend_module, "decode_block", broken)
+    monkeypatch.setattr(policy_module, "decode_block", broken)
     with caplog.at_level(logging.WARNING, logger="kvrq.store"):
         assert store.get(AGENT) is None
     assert store.stats()["miss_unexpected_error"] == 1
