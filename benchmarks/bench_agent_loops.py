@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -73,6 +73,7 @@ from benchmarks.agent_traces import (  # noqa: E402
     responses_input,
     responses_tools,
 )
+from benchmarks.common import stop_process  # noqa: E402
 from engine.cpu.blas import blas_preload_env, ensure_fast_blas  # noqa: E402
 
 SIDES = ["kvrq", "mlx_lm", "vllm_mlx"]
@@ -462,43 +463,45 @@ def mlx_lm_side(folder: Path, workdir: Path) -> Iterator[Server]:
     try:
         yield Server("mlx_lm", f"http://127.0.0.1:{port}", "default_model", ["chat"])
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @contextmanager
 def vllm_mlx_side(executable: str, folder: Path, workdir: Path) -> Iterator[Server]:
+    options = ["--continuous-batching", "--enable-prefix-cache", "--ssd-cache-dir", str(workdir / "vllm-ssd")]
+    with mlx_server_side("vllm_mlx", executable, folder, workdir, "smol", APIS, options) as server:
+        yield server
+
+
+@contextmanager
+def mlx_server_side(
+    name: str,
+    executable: str,
+    folder: Path,
+    workdir: Path,
+    served: str,
+    apis: list[str],
+    options: Sequence[str] = (),
+) -> Iterator[Server]:
+    """`EXECUTABLE serve FOLDER` (vllm-mlx, Rapid-MLX) on a free port as model `served`, OpenBLAS
+    preloaded, one thread, a HOME of its own under `workdir`; stopped on exit."""
     from benchmarks.bench_agents import wait_ready
     from worker.cli.spawn import free_port
 
     port = free_port()
-    home = workdir / "vllm-home"
+    home = workdir / f"{name}-home"
     home.mkdir(exist_ok=True)
     env = {**blas_preload_env(), "HOME": str(home), "OPENBLAS_NUM_THREADS": "1"}
-    log_path = workdir / "vllm_mlx.log"
-    command = [executable, "serve", str(folder), "--host", "127.0.0.1", "--port", str(port)]
-    command += [
-        "--continuous-batching",
-        "--enable-prefix-cache",
-        "--ssd-cache-dir",
-        str(workdir / "vllm-ssd"),
-    ]
-    command += ["--served-model-name", "smol"]
+    log_path = workdir / f"{name}.log"
+    command = [executable, "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), *options]
+    command += ["--served-model-name", served]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
     try:
-        wait_ready("vllm-mlx", port, proc, lambda status, _: status == 200, 600, log_path)
-        yield Server("vllm_mlx", f"http://127.0.0.1:{port}", "smol", APIS, log_path)
+        wait_ready(name.replace("_", "-"), port, proc, lambda status, _: status == 200, 600, log_path)
+        yield Server(name, f"http://127.0.0.1:{port}", served, apis, log_path)
     finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+        stop_process(proc)
 
 
 SCHEDULED = re.compile(r"\[schedule\] request=(\S+) uid=\d+ prompt_tokens=(\d+) tokens_to_prefill=(\d+)")

@@ -97,7 +97,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine, percentile, write_json  # noqa: E402
+from benchmarks.common import machine, percentile, stop_process, write_json  # noqa: E402
 from engine.cpu.blas import blas_preload_env, ensure_fast_blas  # noqa: E402
 
 Message = dict[str, str]
@@ -550,12 +550,7 @@ def run_server(args: argparse.Namespace, folder: Path) -> tuple[float, list[dict
             lambda agent, messages: ask_server(port, messages, args.max_tokens), args.agents, args.turns
         )
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
 
 
 # ---- kvrq serve -------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402 - drivers skip through pytest when a client is not installed
 
-from benchmarks.bench_agent_loops import SCHEDULED, vllm_mlx_side  # noqa: E402
+from benchmarks.bench_agent_loops import SCHEDULED, mlx_server_side, vllm_mlx_side  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 from tests.clients import drivers  # noqa: E402
 from tests.clients.models import write_ok_model  # noqa: E402
@@ -126,25 +125,8 @@ class PeerStack(ClientStack):
 @contextmanager
 def rapid_mlx_side(executable: str, folder: Path, workdir: Path) -> Iterator[Any]:
     """Rapid-MLX serving `folder` with its defaults (prefix cache on), OpenBLAS preloaded, one thread."""
-    from benchmarks.bench_agent_loops import Server, _stop
-    from benchmarks.bench_agents import wait_ready
-    from engine.cpu.blas import blas_preload_env
-    from worker.cli.spawn import free_port
-
-    port = free_port()
-    home = workdir / "rapid-home"
-    home.mkdir(exist_ok=True)
-    env = {**blas_preload_env(), "HOME": str(home), "OPENBLAS_NUM_THREADS": "1"}
-    log_path = workdir / "rapid_mlx.log"
-    command = [executable, "serve", str(folder), "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--served-model-name", SERVED]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-    try:
-        wait_ready("rapid-mlx", port, proc, lambda status, _: status == 200, 600, log_path)
-        yield Server("rapid_mlx", f"http://127.0.0.1:{port}", SERVED, [], log_path)
-    finally:
-        _stop(proc)
+    with mlx_server_side("rapid_mlx", executable, folder, workdir, SERVED, []) as server:
+        yield server
 
 
 def start_stack(server: str, folder: Path, workdir: Path, args: argparse.Namespace) -> ClientStack:
