@@ -61,11 +61,9 @@ def isolated_env(home: Path, **extra: str) -> dict[str, str]:
     }
 
 
-def claude_code(stack: ClientStack, tmp: Path) -> tuple[Session, list[dict[str, Any]]]:
-    """`claude -p`, then `--continue`, then `--resume` its session: default configuration, JSON output."""
-    claude = client_program("claude")
-    home = tmp / "home"
-    env = isolated_env(
+def claude_env(stack: ClientStack, home: Path) -> dict[str, str]:
+    """Claude Code's environment: its config under `home`, kvrq as its Anthropic API."""
+    return isolated_env(
         home,
         CLAUDE_CONFIG_DIR=str(home / ".claude"),
         ANTHROPIC_BASE_URL=stack.url,
@@ -73,6 +71,36 @@ def claude_code(stack: ClientStack, tmp: Path) -> tuple[Session, list[dict[str, 
         DISABLE_TELEMETRY="1",
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
     )
+
+
+def codex_exec(stack: ClientStack, home: Path) -> tuple[list[str | Path], dict[str, str]]:
+    """`codex exec` on kvrq as a custom Responses provider (the arguments after it are the caller's),
+    and its environment: CODEX_HOME under `home`."""
+    (home / ".codex").mkdir(parents=True)
+    env = isolated_env(home, CODEX_HOME=str(home / ".codex"), OPENAI_API_KEY="unused")
+    provider = f'{{name="kvrq",base_url="{stack.url}/v1",wire_api="responses",env_key="OPENAI_API_KEY"}}'
+    base: list[str | Path] = [client_program("codex"), "exec", "--skip-git-repo-check"]
+    base += ["-c", "model_provider=kvrq", "-c", f"model_providers.kvrq={provider}", "-m", stack.model]
+    return base, env
+
+
+def write_opencode_config(stack: ClientStack, workdir: Path) -> None:
+    """opencode.json in `workdir`: kvrq as an openai-compatible provider with no limits set (opencode's
+    defaults), sharing off."""
+    provider = {
+        "npm": "@ai-sdk/openai-compatible",
+        "name": "kvrq",
+        "options": {"baseURL": f"{stack.url}/v1", "apiKey": "unused"},
+        "models": {stack.model: {"name": "kvrq test model"}},  # no `limit`: opencode's defaults
+    }
+    config = {"provider": {"kvrq": provider}, "model": f"kvrq/{stack.model}", "autoupdate": False}
+    (workdir / "opencode.json").write_text(json.dumps({**config, "share": "disabled"}))
+
+
+def claude_code(stack: ClientStack, tmp: Path) -> tuple[Session, list[dict[str, Any]]]:
+    """`claude -p`, then `--continue`, then `--resume` its session: default configuration, JSON output."""
+    claude = client_program("claude")
+    env = claude_env(stack, tmp / "home")
     session = Session(stack, tmp / "work")
     options = ["--model", stack.model, "--output-format", "json"]
     first = json.loads(session.run([claude, "-p", "What is in this folder?", *options], env))
@@ -83,13 +111,7 @@ def claude_code(stack: ClientStack, tmp: Path) -> tuple[Session, list[dict[str, 
 
 def codex(stack: ClientStack, tmp: Path) -> tuple[Session, list[str]]:
     """`codex exec`, then `codex exec resume --last` twice, on a custom Responses provider."""
-    program = client_program("codex")
-    home = tmp / "home"
-    (home / ".codex").mkdir(parents=True)
-    env = isolated_env(home, CODEX_HOME=str(home / ".codex"), OPENAI_API_KEY="unused")
-    provider = f'{{name="kvrq",base_url="{stack.url}/v1",wire_api="responses",env_key="OPENAI_API_KEY"}}'
-    base: list[str | Path] = [program, "exec", "--skip-git-repo-check", "-c", "model_provider=kvrq"]
-    base += ["-c", f"model_providers.kvrq={provider}", "-m", stack.model]
+    base, env = codex_exec(stack, tmp / "home")
     session = Session(stack, tmp / "work")
     turns = (["Say hello."], ["resume", "--last", "And now?"], ["resume", "--last", "Thanks."])
     return session, [session.run([*base, *argv], env) for argv in turns]
@@ -101,14 +123,7 @@ def opencode(stack: ClientStack, tmp: Path) -> tuple[Session, list[int]]:
     program = client_program("opencode")
     env = isolated_env(tmp / "home")
     session = Session(stack, tmp / "work")
-    provider = {
-        "npm": "@ai-sdk/openai-compatible",
-        "name": "kvrq",
-        "options": {"baseURL": f"{stack.url}/v1", "apiKey": "unused"},
-        "models": {stack.model: {"name": "kvrq test model"}},  # no `limit`: opencode's defaults
-    }
-    config = {"provider": {"kvrq": provider}, "model": f"kvrq/{stack.model}", "autoupdate": False}
-    (session.workdir / "opencode.json").write_text(json.dumps({**config, "share": "disabled"}))
+    write_opencode_config(stack, session.workdir)
     counts: list[int] = []
 
     def run(*args: str) -> list[dict[str, Any]]:
