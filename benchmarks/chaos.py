@@ -210,16 +210,29 @@ def kill_round(
     alive = [w for w in alive if w is not victim]
     if not peer:
         alive.append(bench.start_worker(env))  # recovery includes its start
-    requeued, finished = watch(bench.connection, handles, struck, victim.name, timeout=600)
+    record_reruns(bench, result, handles, affected, struck, victim.name)
+    result.notes.append(f"{len(affected)} of {jobs} jobs held by the killed worker")
+    if peer:
+        alive.append(bench.start_worker(env))  # back to two workers for the next round
+    return alive
+
+
+def record_reruns(
+    bench: Bench,
+    result: FaultResult,
+    handles: list[JobHandle],
+    affected: list[JobHandle],
+    struck: float,
+    victim: str,
+) -> None:
+    """Once every job ended: each delivery, and for the killed worker's jobs that ran again, how long
+    after the strike each went back to the queue and finished."""
+    requeued, finished = watch(bench.connection, handles, struck, victim, timeout=600)
     delivered = deliveries(handles)
     rerun = {d.job_id for d in delivered if d.crashes > 0}
     result.requeued_s += [requeued[h.id] for h in affected if h.id in rerun and h.id in requeued]
     result.finished_s += [finished[h.id] for h in affected if h.id in rerun and h.id in finished]
     result.deliveries += delivered
-    result.notes.append(f"{len(affected)} of {jobs} jobs held by the killed worker")
-    if peer:
-        alive.append(bench.start_worker(env))  # back to two workers for the next round
-    return alive
 
 
 def puts_round(
@@ -241,12 +254,7 @@ def puts_round(
     struck = time.monotonic()
     victim.kill()
     alive = [w for w in alive if w is not victim]
-    requeued, finished = watch(bench.connection, handles, struck, victim.name, timeout=600)
-    delivered = deliveries(handles)
-    rerun = {d.job_id for d in delivered if d.crashes > 0}
-    result.requeued_s += [requeued[h.id] for h in affected if h.id in rerun and h.id in requeued]
-    result.finished_s += [finished[h.id] for h in affected if h.id in rerun and h.id in finished]
-    result.deliveries += delivered
+    record_reruns(bench, result, handles, affected, struck, victim.name)
     nexts = bench.producer.submit_many([agent_turn(agent, 4, "And the second?") for agent in agents])
     watch(bench.connection, nexts, time.monotonic(), None, timeout=600)
     next_turns = deliveries(nexts)
