@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -244,18 +244,33 @@ def retry_unsent(
 
     UNSENT (the default) are safe to retry for any command; pass REDIS_DOWN for reads only.
     """
-    deadline = time.monotonic() + budget_s
-    delay = 0.05
+    waits = unsent_waits(budget_s)
     while True:
         try:
             return action()
         except errors as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            if delay == 0.05:  # once per call: a wrong URL should not look like a hang
-                log.warning("Redis primary unavailable (%s): retrying for up to %.0f s", exc, budget_s)
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            time.sleep(next_wait(waits, exc, budget_s))
+
+
+def unsent_waits(budget_s: float) -> Iterator[float]:
+    """The waits between tries of a command Redis did not run: 0.05 s doubling to 1 s, while the next
+    try still starts within `budget_s` of the first (checked as each wait is taken)."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.05
+    while time.monotonic() + delay <= deadline:
+        yield delay
+        delay = min(delay * 2, 1.0)
+
+
+def next_wait(waits: Iterator[float], exc: Exception, budget_s: float) -> float:
+    """The wait before trying again after `exc`, or `exc` raised again once the budget is spent; the
+    first failure is logged (once per call: a wrong URL should not look like a hang)."""
+    delay = next(waits, None)
+    if delay is None:
+        raise exc
+    if delay == 0.05:
+        log.warning("Redis primary unavailable (%s): retrying for up to %.0f s", exc, budget_s)
+    return delay
 
 
 def replicas_to_wait(connection: Redis) -> tuple[int, int]:

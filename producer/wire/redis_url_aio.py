@@ -9,7 +9,6 @@ that module's, not copies.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -36,8 +35,9 @@ from producer.wire.redis_url import (
     check_replicated,
     is_failover_reply,
     is_sentinel_url,
-    log,
+    next_wait,
     take_sentinel_options,
+    unsent_waits,
 )
 
 T = TypeVar("T")
@@ -131,18 +131,12 @@ async def retry_unsent_async(
     errors: tuple[type[Exception], ...] = UNSENT,
 ) -> T:
     """redis_url.retry_unsent, awaiting: `action()` again with backoff while it fails with `errors`."""
-    deadline = time.monotonic() + budget_s
-    delay = 0.05
+    waits = unsent_waits(budget_s)
     while True:
         try:
             return await action()
         except errors as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            if delay == 0.05:
-                log.warning("Redis primary unavailable (%s): retrying for up to %.0f s", exc, budget_s)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await asyncio.sleep(next_wait(waits, exc, budget_s))
 
 
 async def wait_replicated_async(connection: Redis, keys: Sequence[str]) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producer.wire.redis_url import RedisURLError
+from producer.wire.redis_url import PrimaryUnreachableError, RedisURLError, WriteRefusedError
 from producer.wire.redis_url_aio import (
     AsyncFailoverConnection,
     AsyncFailoverSentinelConnection,
@@ -14,6 +16,7 @@ from producer.wire.redis_url_aio import (
     AsyncFailoverSSLConnection,
     AsyncFailoverSSLSentinelConnection,
     connect_async,
+    retry_unsent_async,
 )
 
 pytestmark = pytest.mark.integration
@@ -62,3 +65,33 @@ def test_a_waiting_pool_lends_its_connections_in_turn(redis_url: str) -> None:
     assert asyncio.run(two_reads(True)) == [[], []]
     refused = asyncio.run(two_reads(False))
     assert any("Too many connections" in str(outcome) for outcome in refused)
+
+
+def test_retry_unsent_async_rides_out_refusals_and_gives_up_after_its_budget() -> None:
+    calls: list[float] = []
+
+    async def refused_twice() -> str:
+        calls.append(time.monotonic())
+        if len(calls) <= 2:
+            raise WriteRefusedError("NOREPLICAS")
+        return "ok"
+
+    assert asyncio.run(retry_unsent_async(refused_twice)) == "ok"
+    assert len(calls) == 3 and calls[2] - calls[0] >= 0.1  # backed off: 0.05 s, then 0.1 s
+
+    async def unreachable() -> None:
+        raise PrimaryUnreachableError("no primary")
+
+    started = time.monotonic()
+    with pytest.raises(PrimaryUnreachableError):
+        asyncio.run(retry_unsent_async(unreachable, budget_s=0.3))
+    assert time.monotonic() - started < 1.0
+
+    async def lost_reply() -> None:  # a reply lost after sending: the write may have run, so not retried
+        calls.append(0.0)
+        raise RedisConnectionError("Connection closed by server.")
+
+    calls.clear()
+    with pytest.raises(RedisConnectionError):
+        asyncio.run(retry_unsent_async(lost_reply))
+    assert len(calls) == 1
