@@ -12,11 +12,31 @@ import pytest
 from benchmarks.procs import ROOT, WorkerProcess, running, wait_for
 from tests.conftest import RedisServer
 
-__all__ = ["ROOT", "RedisProcess", "WorkerProcess", "module_redis", "running", "wait_for", "worker_per_queue"]
+__all__ = [
+    "ROOT",
+    "RedisProcess",
+    "WorkerProcess",
+    "exits_cleanly",
+    "module_redis",
+    "running",
+    "wait_for",
+    "worker_per_queue",
+]
 
 
 #: The tests' redis-server (tests/conftest.py), under the name the benchmarks give it.
 RedisProcess = RedisServer
+
+
+@contextlib.contextmanager
+def exits_cleanly(worker: WorkerProcess) -> Iterator[WorkerProcess]:
+    """`worker` started; at the end it is sent SIGTERM and must drain and exit with 0 (its log shown)."""
+    worker.start()
+    try:
+        yield worker
+    finally:
+        code = worker.terminate()
+        assert code == 0, worker.log()
 
 
 def module_redis(label: str, *, persistent: bool = False) -> Any:

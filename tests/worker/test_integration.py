@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 from producer.client import JobFailedError, JobHandle, Producer
 from producer.models import GenerationResult
 from producer.wire.protocol import JOB_FUNCTION
-from tests.worker.procs import RedisProcess, WorkerProcess, module_redis, wait_for
+from tests.worker.procs import RedisProcess, WorkerProcess, exits_cleanly, module_redis, wait_for
 from tests.worker.reference import reference_results
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -39,10 +39,8 @@ def worker_proc(
     worker = WorkerProcess(
         redis_proc.url, tmp_path_factory.mktemp("worker-shared"), name=WORKER, args=["--max-batch", "8"]
     )
-    worker.start()
-    yield worker
-    code = worker.terminate()
-    assert code == 0, worker.log()
+    with exits_cleanly(worker):
+        yield worker
 
 
 @pytest.fixture

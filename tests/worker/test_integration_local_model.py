@@ -21,7 +21,7 @@ from engine.models.load import load_model
 from producer.client import Producer
 from producer.models import GenerationRequest
 from tests.engine.tiny import model_config, save_model_folder, tiny_model
-from tests.worker.procs import RedisProcess, WorkerProcess, module_redis
+from tests.worker.procs import RedisProcess, WorkerProcess, exits_cleanly, module_redis
 from worker.requests.prompts import prompt_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -55,13 +55,8 @@ def producer(
         name=f"kvrq-local-{model_folder.name}",
         args=["--model", str(model_folder), "--max-batch", "4"],
     )
-    worker.start()
-    try:
-        with Producer(redis_proc.url) as p:
-            yield p
-    finally:
-        code = worker.terminate()
-        assert code == 0, worker.log()
+    with exits_cleanly(worker), Producer(redis_proc.url) as p:
+        yield p
 
 
 def greedy_reference(folder: Path, request: dict[str, Any]) -> list[int]:

@@ -17,7 +17,7 @@ import pytest
 
 from producer.client import JobFailedError, Producer
 from producer.wire.protocol import ErrorCode
-from tests.worker.procs import RedisProcess, WorkerProcess, module_redis
+from tests.worker.procs import RedisProcess, WorkerProcess, exits_cleanly, module_redis
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,19 +30,10 @@ redis_proc = module_redis("samplers")
 
 @pytest.fixture(scope="module")
 def producer(redis_proc: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Producer]:
-    worker = WorkerProcess(
-        redis_proc.url,
-        tmp_path_factory.mktemp("worker-samplers"),
-        name="kvrq-samplers",
-        args=["--max-batch", "8"],
-    )
-    worker.start()
-    try:
-        with Producer(redis_proc.url) as p:
-            yield p
-    finally:
-        code = worker.terminate()
-        assert code == 0, worker.log()
+    workdir = tmp_path_factory.mktemp("worker-samplers")
+    worker = WorkerProcess(redis_proc.url, workdir, name="kvrq-samplers", args=["--max-batch", "8"])
+    with exits_cleanly(worker), Producer(redis_proc.url) as p:
+        yield p
 
 
 def chat(**fields: Any) -> dict[str, Any]:

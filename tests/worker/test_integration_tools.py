@@ -25,7 +25,7 @@ from engine.models.load import load_model
 from producer.client import Producer
 from producer.models import GenerationRequest
 from tests.engine.tiny import model_config, save_model_folder, tiny_model
-from tests.worker.procs import RedisProcess, WorkerProcess
+from tests.worker.procs import RedisProcess, WorkerProcess, exits_cleanly, running
 from worker.requests.prompts import prompt_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -118,22 +118,11 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def producer(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Producer]:
-    redis = RedisProcess(tmp_path_factory.mktemp("redis-tools"))
-    redis.start()
-    worker = WorkerProcess(
-        redis.url,
-        tmp_path_factory.mktemp("worker-tools"),
-        name="kvrq-tools",
-        args=["--model", str(model_folder)],
-    )
-    try:
-        worker.start()
-        with Producer(redis.url) as p:
+    with running(RedisProcess(tmp_path_factory.mktemp("redis-tools"))) as redis:
+        workdir = tmp_path_factory.mktemp("worker-tools")
+        worker = WorkerProcess(redis.url, workdir, name="kvrq-tools", args=["--model", str(model_folder)])
+        with exits_cleanly(worker), Producer(redis.url) as p:
             yield p
-    finally:
-        code = worker.terminate()
-        redis.stop()
-        assert code == 0, worker.log()
 
 
 def test_a_tool_call_its_result_and_the_final_answer(producer: Producer, model_folder: Path) -> None:
