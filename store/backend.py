@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 from engine.core.blocks import AgentCache
 from engine.core.spec import ModelCacheSpec
@@ -19,11 +20,24 @@ from store import layered_codec, quant
 from store.base import BACKEND_COUNTERS, CacheInfo, Stats
 from store.manifest import Manifest
 
+if TYPE_CHECKING:
+    pass  # typing's own from Python 3.11
+
 Blob = bytes | bytearray | memoryview
 DEFAULT_NAMESPACE = "default"
 # Anonymous prefixes (get_prefix / put_prefix) are held under their own budget: by default a quarter of
 # the store's max_bytes, or this much in a store without one; 0 turns them off.
 DEFAULT_PREFIX_BYTES = 1024 * 1024 * 1024
+
+
+class BackendOptions(TypedDict, total=False):
+    """The options every backend that stores caches takes, as BlockBackend documents them."""
+
+    quantization: str
+    group_size: int
+    max_bytes: int | None
+    namespace: str
+    prefix_max_bytes: int | None
 
 
 def check_namespace(namespace: object) -> str:

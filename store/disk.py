@@ -32,10 +32,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.core.spec import ModelCacheSpec
 from store.agent_ids import agent_key
-from store.backend import DEFAULT_NAMESPACE, Blob
+from store.backend import BackendOptions, Blob
 from store.base import log
 from store.block_codec import EncodedBlock
 from store.budget import Usage, split_shared
@@ -53,6 +54,9 @@ from store.manifest import (
 from store.prefix_holds import PrefixEntry, PrefixWrite, prefix_recency
 
 MARKER = "kvrq-store.json"
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 _MARKER_CONTENT = {"format": "kvrq-store", "layout": 1}
 MANIFEST = "manifest.safetensors"
 PIN = "pinned"
@@ -69,23 +73,11 @@ class DiskStore(WritingBackend):
         path: str | os.PathLike[str],
         spec: ModelCacheSpec,
         *,
-        quantization: str = "none",
-        group_size: int = 64,
-        max_bytes: int | None = None,
         ttl_s: float | None = None,
         fsync: bool = True,
-        namespace: str = DEFAULT_NAMESPACE,
-        prefix_max_bytes: int | None = None,
+        **options: Unpack[BackendOptions],
     ) -> None:
-        super().__init__(
-            spec,
-            quantization=quantization,
-            group_size=group_size,
-            max_bytes=max_bytes,
-            namespace=namespace,
-            prefix_max_bytes=prefix_max_bytes,
-            ttl_s=ttl_s,
-        )
+        super().__init__(spec, ttl_s=ttl_s, **options)
         self.root = Path(path).expanduser().resolve()
         self.fsync = fsync
         self._agents = self.root / "agents"

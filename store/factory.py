@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine.core.spec import ModelCacheSpec
 from producer.wire.redis_url import DEFAULT_REDIS_URL
-from store.backend import DEFAULT_NAMESPACE, DEFAULT_PREFIX_BYTES, BlockBackend
+from store.backend import DEFAULT_NAMESPACE, DEFAULT_PREFIX_BYTES, BackendOptions, BlockBackend
 from store.disk import MARKER, DiskStore
 from store.errors import StoreError
 from store.hot import HotTierStore
@@ -48,48 +48,35 @@ def open_backend(
                 shard.url,
                 spec,
                 max_bytes=None if max_bytes is None else max(1, max_bytes // count),
+                prefix_max_bytes=None if prefix_max_bytes is None else prefix_max_bytes // count,
                 quantization=quantization,
                 group_size=group_size,
                 ttl_s=ttl_s,
                 prefix=prefix,
                 namespace=namespace,
                 connect=connect,
-                prefix_max_bytes=None if prefix_max_bytes is None else prefix_max_bytes // count,
             )
             for shard in shards
         ]
         return ShardedStore(parts, [shard.name for shard in shards])
+    options = BackendOptions(
+        quantization=quantization,
+        group_size=group_size,
+        max_bytes=max_bytes,
+        namespace=namespace,
+        prefix_max_bytes=prefix_max_bytes,
+    )
     if uri.startswith("disk:"):
         path = uri.removeprefix("disk:")
         if not path:
             raise ValueError("disk store URI needs a path: disk:PATH")
-        return DiskStore(
-            path,
-            spec,
-            quantization=quantization,
-            group_size=group_size,
-            max_bytes=max_bytes,
-            ttl_s=ttl_s,
-            namespace=namespace,
-            prefix_max_bytes=prefix_max_bytes,
-        )
+        return DiskStore(path, spec, ttl_s=ttl_s, **options)
     if uri == "redis":
         uri = DEFAULT_REDIS_URL
     if uri.startswith(REDIS_SCHEMES):
         if connect is None and "+sentinel://" in uri:
             raise ValueError("a Sentinel store URL needs a connect function (the worker passes one)")
-        return RedisStore(
-            uri,
-            spec,
-            quantization=quantization,
-            group_size=group_size,
-            max_bytes=max_bytes,
-            ttl_s=ttl_s,
-            prefix=prefix,
-            namespace=namespace,
-            connect=connect,
-            prefix_max_bytes=prefix_max_bytes,
-        )
+        return RedisStore(uri, spec, ttl_s=ttl_s, prefix=prefix, connect=connect, **options)
     shown = re.sub(r"//.*@", "//***@", redact(uri))  # a mistyped Redis URL may hold a password: never echo it
     raise ValueError(
         f"unknown store URI {shown!r}: use disk:PATH, redis, redis://HOST:PORT/DB, redis+sentinel://... "

@@ -32,7 +32,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.exceptions import RedisError, WatchError
@@ -42,7 +42,7 @@ from engine.core.spec import ModelCacheSpec
 from producer.wire.redis_url import FAILOVER_BUDGET_S, REDIS_DOWN
 from producer.wire.text import as_text
 from store.agent_ids import agent_key
-from store.backend import DEFAULT_NAMESPACE, Blob
+from store.backend import BackendOptions, Blob
 from store.base import log
 from store.block_codec import EncodedBlock
 from store.budget import Usage, split_shared
@@ -77,6 +77,9 @@ from store.replication import (
 )
 from store.resp import ScatterPacker, ScatterValue
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 DEFAULT_PREFIX = "kvrq:cache:"
 #: Makes a client for a Redis URL, given redis-py pool options (the URL's own options win).
 Connect = Callable[..., redis.Redis]
@@ -104,42 +107,30 @@ class RedisStore(WritingBackend):
         url: str | redis.Redis,
         spec: ModelCacheSpec,
         *,
-        quantization: str = "none",
-        group_size: int = 64,
-        max_bytes: int | None = None,
         ttl_s: int | None = None,
         prefix: str = DEFAULT_PREFIX,
         value_bytes: int = MAX_VALUE_BYTES,
-        namespace: str = DEFAULT_NAMESPACE,
         connect: Connect | None = None,
-        prefix_max_bytes: int | None = None,
+        **options: Unpack[BackendOptions],
     ) -> None:
         """`connect(url, **pool_options)` makes the client for a URL (the worker passes producer's,
         which knows Sentinel URLs); without it, redis-py's `from_url` forms only."""
-        super().__init__(
-            spec,
-            quantization=quantization,
-            group_size=group_size,
-            max_bytes=max_bytes,
-            namespace=namespace,
-            prefix_max_bytes=prefix_max_bytes,
-            ttl_s=ttl_s,
-        )
+        super().__init__(spec, ttl_s=ttl_s, **options)
         if value_bytes < 1024:
             raise ValueError(f"value_bytes must be at least 1024, got {value_bytes}")
         self.part_bytes = value_bytes
         self.prefix = prefix
         if isinstance(url, str):
             # Timeouts (overridable in the URL) so a hung server cannot hang a worker's shutdown flush.
-            options: dict[str, Any] = {
+            pool: dict[str, Any] = {
                 "command_packer": ScatterPacker(),
                 "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT_S,
                 "socket_timeout": SOCKET_TIMEOUT_S,
             }
             if connect is not None:
-                self._client = connect(url, **options)
+                self._client = connect(url, **pool)
             else:
-                self._client = redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, **options))
+                self._client = redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, **pool))
             self._scatter = True
             self._owns_client = True
         else:
