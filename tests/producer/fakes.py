@@ -31,6 +31,19 @@ def fail_like_rq(
         pipe.execute()
 
 
+def result_payload(job_id: str, agent_id: str | None = None, text: str = "Paris.") -> dict[str, object]:
+    """A finished job's result as a worker returns it: one prompt token, one answer token."""
+    return {
+        "job_id": job_id,
+        "agent_id": agent_id,
+        "text": text,
+        "token_ids": [1],
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 1, "reused_tokens": 0, "prefilled_tokens": 1, "generated_tokens": 1},
+        "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.1, "total_s": 0.2},
+    }
+
+
 def finish_like_rq(connection: Redis, job_id: str, result: dict[str, object]) -> None:
     """Mark a queued job finished with `result` as its return value, the way rq records it."""
     from rq.job import Job, JobStatus

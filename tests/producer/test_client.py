@@ -32,7 +32,7 @@ from producer.wire.protocol import (
     worker_alive_key,
     worker_queue_name,
 )
-from tests.producer.fakes import fail_like_rq, fake_redis
+from tests.producer.fakes import fail_like_rq, fake_redis, result_payload
 
 
 @pytest.fixture
@@ -132,15 +132,7 @@ def test_a_result_written_just_after_the_status_read_wakes_the_wait_at_once(
     that result for an old one and sleep a whole poll (a 1 s tail kvrq serve's benchmark showed)."""
     producer = sync_producer
     handle = producer.submit({"prompt": "a"})
-    payload = {
-        "job_id": handle.id,
-        "agent_id": None,
-        "text": "Paris.",
-        "token_ids": [1],
-        "finish_reason": "stop",
-        "usage": {"prompt_tokens": 1, "reused_tokens": 0, "prefilled_tokens": 1, "generated_tokens": 1},
-        "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.1, "total_s": 0.2},
-    }
+    payload = result_payload(handle.id)
     outcome = type(handle)._outcome
     reads = []
 
@@ -293,15 +285,7 @@ def test_an_async_result_written_just_after_the_status_read_wakes_the_wait_at_on
     blocking = fake_redis()
     producer = async_producer(blocking)
     sync = Producer(connection=blocking)
-    payload = {
-        "job_id": "",
-        "agent_id": None,
-        "text": "Paris.",
-        "token_ids": [1],
-        "finish_reason": "stop",
-        "usage": {"prompt_tokens": 1, "reused_tokens": 0, "prefilled_tokens": 1, "generated_tokens": 1},
-        "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.1, "total_s": 0.2},
-    }
+    payload = result_payload("")
     outcome = AsyncJobHandle._outcome
     reads: list[object] = []
 

@@ -27,7 +27,7 @@ from producer.models import GenerationRequest
 from producer.tenants import Tenant, key_tenant, tenant_of, tenant_problem
 from producer.wire.ids import MAX_AGENT_ID_LENGTH
 from producer.wire.protocol import ErrorCode, StreamEvent, stream_key
-from tests.producer.fakes import app_connections, fail_like_rq, fake_redis
+from tests.producer.fakes import app_connections, fail_like_rq, fake_redis, result_payload
 from tests.producer.test_client import _finish_like_a_worker
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -108,15 +108,7 @@ def test_producer_with_a_tenant_enqueues_its_qualified_job_and_reads_back_its_ow
     handle = producer.submit({"agent_id": "a1", "prompt": "hi"})
     (payload,) = Job.fetch(handle.id, connection=producer.connection, serializer="json").args
     assert payload["agent_id"] == "t:acme:a1" and payload["namespace"] == "acme"
-    result = {
-        "job_id": handle.id,
-        "agent_id": "t:acme:a1",
-        "text": "x",
-        "token_ids": [1],
-        "finish_reason": "stop",
-        "usage": {"prompt_tokens": 1, "reused_tokens": 0, "prefilled_tokens": 1, "generated_tokens": 1},
-        "timings": {"queued_s": 0.0, "time_to_first_token_s": 0.1, "total_s": 0.2},
-    }
+    result = result_payload(handle.id, agent_id="t:acme:a1", text="x")
     finisher = threading.Timer(0.1, _finish_like_a_worker, args=(producer, handle.id, result))
     finisher.start()
     assert handle.result(timeout=5).agent_id == "a1"
