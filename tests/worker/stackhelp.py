@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -63,14 +62,6 @@ def http_get(url: str, timeout: float = 30) -> tuple[int, bytes]:
 def serves(url: str) -> bool:
     try:
         return http_get(url, timeout=2)[0] == 200
-    except OSError:
-        return False
-
-
-def accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
     except OSError:
         return False
 

@@ -18,10 +18,10 @@ import pytest
 from redis import Redis
 from redis.exceptions import RedisError
 
+from benchmarks.procs import accepts
 from tests.conftest import free_port
 from tests.worker.stackhelp import (
     ShellCommand,
-    accepts,
     descendants,
     http_get,
     like_a_clone,
