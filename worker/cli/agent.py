@@ -13,9 +13,8 @@ import json
 import sys
 from typing import IO, Any
 
+from worker.cli.main import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from worker.settings import WorkerSettings
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def add_agent_commands(commands: argparse._SubParsersAction, redis_default: str) -> None:

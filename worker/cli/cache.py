@@ -15,14 +15,13 @@ import sys
 import time
 from typing import IO, TYPE_CHECKING
 
+from worker.cli.main import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:  # the store is imported when a cache command runs, not when the CLI starts
     from producer.tenants import Tenant
     from store.backend import BlockBackend
     from store.base import CacheInfo
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def add_cache_commands(commands: argparse._SubParsersAction) -> None:
