@@ -337,6 +337,17 @@ def is_failover_reply(exc: BaseException) -> bool:
     )
 
 
+def refused_write(exc: Exception) -> WriteRefusedError | None:
+    """The UNSENT error a reply stands for when the server is no longer the writable primary (a failover
+    reply, or redis-py's own notice for READONLY on a Sentinel connection), else None. The connection
+    is then disconnected (a no-op after redis-py's notice) so its next connect finds the new primary."""
+    if isinstance(exc, ResponseError) and is_failover_reply(exc):
+        return WriteRefusedError(f"Redis primary refused a write ({exc}): reconnecting")
+    if isinstance(exc, RedisConnectionError) and str(exc) == "The previous master is now a slave":
+        return WriteRefusedError(f"Redis primary was demoted ({exc}): reconnecting")
+    return None
+
+
 class _FailoverAware:
     """Failover replies and failed connects become UNSENT errors (see the module docstring)."""
 
@@ -351,15 +362,12 @@ class _FailoverAware:
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().read_response(*args, **kwargs)  # type: ignore[misc]
-        except ResponseError as exc:
-            if not is_failover_reply(exc):
+        except (ResponseError, RedisConnectionError) as exc:
+            refused = refused_write(exc)
+            if refused is None:
                 raise
             self.disconnect()  # type: ignore[attr-defined]
-            raise WriteRefusedError(f"Redis primary refused a write ({exc}): reconnecting") from exc
-        except RedisConnectionError as exc:
-            if str(exc) != "The previous master is now a slave":  # redis-py's own READONLY handling
-                raise
-            raise WriteRefusedError(f"Redis primary was demoted ({exc}): reconnecting") from exc
+            raise refused from exc
 
 
 class FailoverConnection(_FailoverAware, Connection):

@@ -30,12 +30,11 @@ from producer.wire.redis_url import (
     UNSENT,
     ClientKind,
     PrimaryUnreachableError,
-    WriteRefusedError,
     building,
     check_replicated,
-    is_failover_reply,
     is_sentinel_url,
     next_wait,
+    refused_write,
     take_sentinel_options,
     unsent_waits,
 )
@@ -78,15 +77,12 @@ class _AsyncFailoverAware:
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().read_response(*args, **kwargs)  # type: ignore[misc]
-        except ResponseError as exc:
-            if not is_failover_reply(exc):
+        except (ResponseError, RedisConnectionError) as exc:
+            refused = refused_write(exc)
+            if refused is None:
                 raise
             await self.disconnect()  # type: ignore[attr-defined]
-            raise WriteRefusedError(f"Redis primary refused a write ({exc}): reconnecting") from exc
-        except RedisConnectionError as exc:
-            if str(exc) != "The previous master is now a slave":
-                raise
-            raise WriteRefusedError(f"Redis primary was demoted ({exc}): reconnecting") from exc
+            raise refused from exc
 
 
 class AsyncFailoverConnection(_AsyncFailoverAware, Connection):

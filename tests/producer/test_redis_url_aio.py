@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producer.wire.redis_url import PrimaryUnreachableError, RedisURLError, WriteRefusedError
+from producer.wire.redis_url import PrimaryUnreachableError, RedisURLError, WriteRefusedError, connect
 from producer.wire.redis_url_aio import (
     AsyncFailoverConnection,
     AsyncFailoverSentinelConnection,
@@ -18,6 +21,7 @@ from producer.wire.redis_url_aio import (
     connect_async,
     retry_unsent_async,
 )
+from tests.conftest import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -95,3 +99,46 @@ def test_retry_unsent_async_rides_out_refusals_and_gives_up_after_its_budget() -
     with pytest.raises(RedisConnectionError):
         asyncio.run(retry_unsent_async(lost_reply))
     assert len(calls) == 1
+
+
+def run_with_clients(url: str, body: Callable[[AsyncRedis, Redis], Awaitable[None]]) -> None:
+    """`body` with an asyncio client of `url` that has written k=1, and a blocking one to steer the server."""
+
+    async def run() -> None:
+        client = connect_async(url)
+        try:
+            await client.set("k", 1)
+            await body(client, connect(url))
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_primary_without_its_replicas_refuses_async_writes_with_an_error_that_is_safe_to_retry(
+    own_redis_server: RedisServer,
+) -> None:
+    async def writes(client: AsyncRedis, admin: Redis) -> None:
+        admin.config_set("min-replicas-to-write", 1)
+        with pytest.raises(WriteRefusedError, match="NOREPLICAS"):
+            await client.set("k", 2)
+        assert await client.get("k") == b"1"  # reads still work
+        admin.config_set("min-replicas-to-write", 0)
+        assert await client.set("k", 3)  # the refused connection was dropped; a new one writes
+
+    run_with_clients(own_redis_server.url, writes)
+
+
+def test_a_demoted_primary_refuses_async_writes_with_readonly_as_a_retryable_error(
+    own_redis_server: RedisServer,
+) -> None:
+    async def writes(client: AsyncRedis, admin: Redis) -> None:
+        admin.replicaof("127.0.0.1", free_port())  # a primary that is gone: this server turns read-only
+        try:
+            with pytest.raises(WriteRefusedError, match="read only replica"):
+                await client.set("k", 2)
+        finally:
+            admin.replicaof("NO", "ONE")
+        assert await client.set("k", 3)
+
+    run_with_clients(own_redis_server.url, writes)
