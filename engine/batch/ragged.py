@@ -599,7 +599,7 @@ class RaggedBatchGenerator:
         decoding = [row for row in live if row.decoding]
         candidates = [(row, row.speculation) for row in decoding if row.speculation is not None]
         extra_s = sum(n for _, n in chunks) * (self.cost.per_token_s or 0.0)
-        plan = self.speculation.plan(candidates, len(decoding), self.steps, extra_s, self.cost.per_token_s)
+        plan = self.speculation.plan(candidates, len(decoding), self.steps, extra_s, self.cost.token_price_s)
         for uid, draft in plan.items():
             self.rows[uid].pending += draft
 

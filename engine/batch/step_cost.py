@@ -41,6 +41,7 @@ class StepCost:
     def __init__(self) -> None:
         self.fixed_s: float | None = None  # a step with decoding rows only
         self.per_token_s: float | None = None  # each prompt token on top
+        self.prefill_token_s: float | None = None  # a prompt-only step's time per token
 
     def record(self, step: StepRecord) -> None:
         if step.forward_s <= 0:
@@ -50,6 +51,15 @@ class StepCost:
         elif step.prompt_tokens >= MIN_PROMPT_TOKENS and self.fixed_s is not None:
             per_token = max(0.0, step.forward_s - self.fixed_s) / step.prompt_tokens
             self.per_token_s = _average(self.per_token_s, per_token)
+        elif step.prompt_tokens >= MIN_PROMPT_TOKENS and step.decode_rows == 0:
+            self.prefill_token_s = _average(self.prefill_token_s, step.forward_s / step.prompt_tokens)
+
+    @property
+    def token_price_s(self) -> float | None:
+        """What one more token costs a step: `per_token_s`, else, before any step had both decoding
+        rows and prompt tokens (a fresh engine given all its prompts at once), a prompt-only step's
+        time per token, which errs high by its share of the step's fixed part."""
+        return self.per_token_s if self.per_token_s is not None else self.prefill_token_s
 
     def join_tokens(self, suffixes: Sequence[int]) -> int | None:
         """Prompt tokens of finishing rows one step should carry, `suffixes` being the prompt tokens

@@ -33,6 +33,18 @@ def test_no_bound_until_both_parts_of_the_cost_are_known() -> None:
     assert cost.join_tokens([20] * 10) is None
 
 
+def test_a_token_is_priced_from_prompt_only_steps_until_its_cost_on_top_of_decoding_is_known() -> None:
+    """Speculation prices draft tokens not timed yet with it (engine/batch/speculation.py): a fresh
+    engine given all its prompts at once runs prompt-only steps before any mixed one."""
+    cost = StepCost()
+    assert cost.token_price_s is None
+    cost.record(Step(prompt_tokens=200, decode_rows=0, forward_s=1.0))
+    assert cost.token_price_s == pytest.approx(0.005)  # errs high: the fixed part is in it
+    cost.record(Step(prompt_tokens=0, decode_rows=8, forward_s=0.06))
+    cost.record(Step(prompt_tokens=100, decode_rows=8, forward_s=0.46))
+    assert cost.token_price_s == pytest.approx(0.004) == cost.per_token_s
+
+
 def test_the_bound_is_the_square_root_of_fixed_over_per_token_times_what_waits() -> None:
     cost = StepCost()
     cost.record(Step(prompt_tokens=0, decode_rows=8, forward_s=0.06))
