@@ -55,6 +55,11 @@ def padded_rows(rows: int, shortcuts: StepShortcuts) -> int:
     return rows if _door is None else int(_door.padded_rows(rows, shortcuts.pad_rows))
 
 
+def step_rows(tokens: int) -> int:
+    """The rows a step of `tokens` query tokens runs as: what its cost follows (Speculation's StepTimes)."""
+    return padded_rows(tokens, step_shortcuts(tokens, 0))
+
+
 def in_step(shortcuts: StepShortcuts) -> AbstractContextManager[None]:
     """While the step's forward pass is built: the routed functions use `shortcuts`."""
     if _door is None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.batch.acceleration import step_rows
 from engine.batch.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend, ragged_fits
 from engine.batch.checkpoints import CheckpointingBatchBackend
 from engine.batch.grammar import GrammarCompiler
@@ -172,7 +173,7 @@ class BlockPoolBatchEngine:
             speculation = switch("KVRQ_SPECULATION", default=SPECULATION_DEFAULT)
         self.speculation: Speculation | None = None
         if speculation and isinstance(self._backend, RaggedBackend) and not self._backend.generator.latent:
-            self.speculation = self._backend.generator.speculation = Speculation()
+            self.speculation = self._backend.generator.speculation = Speculation(step_rows=step_rows)
         self._sequences: dict[int, _Sequence] = {}
         # Cutting a finished sequence's KV into blocks is a copy of all of it: done on this
         # thread it stalled the whole batch for the step a burst of sequences ended in.

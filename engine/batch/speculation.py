@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -201,15 +201,23 @@ class StepTimes:
 
     Why by tokens and not a cost per draft token: on the CPU a step's matmuls run at 16 or 32 rows
     (engine/cpu/gemm_rows.py), so its cost is a staircase: 4 rows plus 8 drafts cost what 4 rows do,
-    1 row plus 4 drafts twice one row. A token count not measured yet is read off its neighbours."""
+    1 row plus 4 drafts twice one row. So a count is kept as the rows its step runs as (`step_rows`:
+    20 to 31 tokens are one figure, 32 rows, there), and a count not measured yet is read off its
+    neighbours."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_rows: Callable[[int], int] | None = None) -> None:
+        self.step_rows = step_rows or (lambda tokens: tokens)
         self._samples: dict[tuple[bool, int], deque[float]] = {}
-        self.plain: dict[int, float] = {}  # by rows
-        self.drafted: dict[int, float] = {}  # by rows + draft tokens
-        self._last_drafted: int | None = None  # the tokens of the latest drafted step recorded
+        self.plain: dict[int, float] = {}  # by the rows a step runs as
+        self.drafted: dict[int, float] = {}  # likewise, rows + draft tokens
+        self._last_drafted: int | None = None  # the latest drafted step recorded
+
+    def plain_step(self, rows: int) -> float | None:
+        """A plain decode step of `rows` rows, where measured."""
+        return self.plain.get(self.step_rows(rows))
 
     def record(self, tokens: int, drafted: bool, seconds: float) -> None:
+        tokens = self.step_rows(tokens)
         samples = self._samples.setdefault((drafted, tokens), deque(maxlen=SAMPLES))
         samples.append(seconds)
         (self.drafted if drafted else self.plain)[tokens] = statistics.median(samples)
@@ -239,6 +247,7 @@ class StepTimes:
         where nothing is known is the exploration (a draft that pays there is timed, and its own
         figure takes over once founded); a count the prior already prices out, such as a full batch
         on a compute-bound step, is never tried, only probed."""
+        tokens = self.step_rows(tokens)
         known = {**self.plain, **self.drafted} if drafted else self.plain
         if tokens in known:
             return self._or_prior(known[tokens], self._founded(tokens, drafted), prior)
@@ -282,10 +291,11 @@ class Speculation:
     step's cost at R + D tokens, where that beats R over a plain step's by MIN_GAIN; else none.
     """
 
-    def __init__(self, always: bool = False) -> None:
-        """`always`: every row with a draft drafts, whatever the cost (tests; a benchmark's bound)."""
+    def __init__(self, always: bool = False, step_rows: Callable[[int], int] | None = None) -> None:
+        """`always`: every row with a draft drafts, whatever the cost (tests; a benchmark's bound).
+        `step_rows`: the rows a step of so many query tokens runs as (StepTimes)."""
         self.always = always
-        self.times = StepTimes()
+        self.times = StepTimes(step_rows)
         self.stats = SpeculationStats()
         self._since_plain: dict[int, int] = {}
         self._turned_down = 0  # steps in a row whose drafts did not pay
@@ -303,7 +313,8 @@ class Speculation:
         """Drafts for this step by row uid. `candidates` are (row, state) of rows that may draft;
         `extra_s` is what the step's prompt tokens add to its cost; `token_s` what one prompt token
         costs in a step (StepCost), the prior for draft tokens not timed yet (StepTimes.estimate)."""
-        if (decode_rows not in self.times.plain and not self.always) or not candidates:
+        plain_s = self.times.plain_step(decode_rows)
+        if (plain_s is None and not self.always) or not candidates:
             return {}  # first measure what a plain step of this many rows costs
         if self._since_plain.get(decode_rows, 0) >= REMEASURE_EVERY and not self.always:
             self._since_plain[decode_rows] = 0
@@ -331,12 +342,13 @@ class Speculation:
         ]
         if not offers:
             return {}
-        best_rate, best = MIN_GAIN * decode_rows / (self.times.plain[decode_rows] + extra_s), 0
+        assert plain_s is not None
+        best_rate, best = MIN_GAIN * decode_rows / (plain_s + extra_s), 0
         gain, draft_tokens = 0.0, 0
         for i, (_, _, draft, state) in enumerate(offers, start=1):
             gain += state.expected_tokens(len(draft))
             draft_tokens += len(draft)
-            prior = None if token_s is None else self.times.plain[decode_rows] + draft_tokens * token_s
+            prior = None if token_s is None else plain_s + draft_tokens * token_s
             estimate = self.times.estimate(decode_rows + draft_tokens, drafted=True, prior=prior)
             assert estimate is not None  # the plain step of decode_rows is known
             cost, founded = estimate
@@ -372,7 +384,7 @@ class Speculation:
         if after_draft and not draft_tokens:
             # It carries the drafted rows' copies back into the ShortSlots: not a plain step's cost,
             # but part of the draft's (what it took over a plain step of as many rows).
-            plain = self.times.plain.get(decode_rows)
+            plain = self.times.plain_step(decode_rows)
             if plain is not None:
                 self.times.charge_last_drafted(max(0.0, step.step_s - plain))
             return

@@ -320,6 +320,16 @@ def test_draft_tokens_not_timed_yet_are_priced_like_prompt_tokens_and_never_forc
     assert one.plan(offer(1), 1, step=3, extra_s=0.0, token_s=0.005) == {}
 
 
+def test_step_sizes_that_run_as_the_same_rows_share_one_figure() -> None:
+    """On the CPU 20 to 31 tokens run as 32 matmul rows: one drafted step of 16 rows + 8 drafts
+    founds the figure for 16 + 4 too, so a full batch is not timed again at every draft length."""
+    speculation = Speculation(step_rows=lambda n: 32 if 20 <= n <= 31 else n)
+    measured(speculation, 16, False, 0.100)
+    measured(speculation, 24, True, 0.200)
+    assert speculation.times.estimate(20, drafted=True) == (pytest.approx(0.200), True)
+    assert speculation.plan(offer(16), 16, step=1, extra_s=0.0) == {}, "a draft doubles the step"
+
+
 def test_a_drafted_step_is_charged_the_copies_it_leaves_to_the_next_step() -> None:
     """The step after a drafted one carries its rows back into the ShortSlots: its time over a plain
     step's is the draft's cost, not a plain step's."""
