@@ -158,8 +158,10 @@ def finished_once(connection: Redis, job_ids: list[str]) -> dict[str, str]:
 def failover_round(topology: SentinelTopology, worker: WorkerProcess, round_no: int, *, http: bool) -> None:
     """One SENTINEL FAILOVER under a stream of enqueues (and, with `http`, of kvrq serve requests)."""
     before = topology.primary_port()
-    client = TestClient(create_app(ServeSettings(redis_url=topology.url)))
+    # `with`: one event loop serves every request, as uvicorn's does; a bare TestClient runs each
+    # request on a loop of its own, which the app's asyncio Redis connections may not cross.
     with (
+        TestClient(create_app(ServeSettings(redis_url=topology.url))) as client,
         Producer(topology.url) as producer,
         enqueue_stream(producer, f"r{round_no}") as stream,
         http_stream(client) if http else contextlib.nullcontext() as asking,
