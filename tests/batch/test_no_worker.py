@@ -28,7 +28,15 @@ def test_batch_run_says_no_worker_listens_and_keeps_waiting(redis_url: str, tmp_
     (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
     command = [sys.executable, "-m", "worker.cli", "batch", "run", str(tmp_path / "in.jsonl")]
     command += ["-o", str(tmp_path / "out.jsonl"), "--redis", redis_url, "--progress", "log"]
-    client = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal delivers it: a runner that started this suite in the background (`cmd &` in
+    # a shell without job control) hands its children SIGINT ignored, and so would the client inherit.
+    client = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert client.stderr is not None
     lines: list[tuple[float, str]] = []
     started = time.monotonic()
