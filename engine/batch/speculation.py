@@ -206,11 +206,19 @@ class StepTimes:
     neighbours."""
 
     def __init__(self, step_rows: Callable[[int], int] | None = None) -> None:
-        self.step_rows = step_rows or (lambda tokens: tokens)
+        self._step_rows = step_rows or (lambda tokens: tokens)
+        self._rows_of: dict[int, int] = {}  # step_rows' answers: it reads the CPU switches each call
         self._samples: dict[tuple[bool, int], deque[float]] = {}
         self.plain: dict[int, float] = {}  # by the rows a step runs as
         self.drafted: dict[int, float] = {}  # likewise, rows + draft tokens
         self._last_drafted: int | None = None  # the latest drafted step recorded
+
+    def step_rows(self, tokens: int) -> int:
+        """The rows a step of `tokens` query tokens runs as, worked out once per count."""
+        rows = self._rows_of.get(tokens)
+        if rows is None:
+            rows = self._rows_of[tokens] = self._step_rows(tokens)
+        return rows
 
     def plain_step(self, rows: int) -> float | None:
         """A plain decode step of `rows` rows, where measured."""
