@@ -50,6 +50,7 @@ def serve(settings: WorkerSettings) -> int:
     started = time.perf_counter()
     return_large_frees_to_the_os()
     model, tokenizer = load_model(settings.model)
+    draft_model = None if settings.draft_model is None else load_model(settings.draft_model)[0]
     engine = BlockPoolBatchEngine(
         model,
         tokenizer,
@@ -61,6 +62,7 @@ def serve(settings: WorkerSettings) -> int:
         prefill_tokens_per_step=settings.prefill_tokens_per_step,
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
+        draft_model=draft_model,
     )
     store = open_store(
         settings.store_uri(),

@@ -34,6 +34,11 @@ class WorkerSettings(BaseSettings):
     kv_bits: Literal[8, 4] | None = Field(
         default=None, description="keep running K/V quantized to 8 or 4 bits (ragged batch models only)"
     )
+    draft_model: str | None = Field(
+        default=None,
+        description="a small model of the same tokenizer that drafts tokens for speculative decoding "
+        "(builtin name, mlx-lm model id or path; unset: drafts come from each row's own context)",
+    )
     kv_group_size: Literal[32, 64, 128] | None = Field(
         default=None, description="values per quantization group of --kv-bits (default 64)"
     )

@@ -23,6 +23,7 @@ import mlx.core as mx
 from engine.batch.acceleration import step_rows
 from engine.batch.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend, ragged_fits
 from engine.batch.checkpoints import CheckpointingBatchBackend
+from engine.batch.drafters import Drafter, DraftModel, PromptLookup
 from engine.batch.grammar import GrammarCompiler
 from engine.batch.sampling import make_processors, make_sampler
 from engine.batch.speculation import RowSpeculation, SampledDraws, Speculation, can_draft
@@ -97,6 +98,7 @@ class BlockPoolBatchEngine:
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
         speculation: bool | None = None,
+        draft_model: Any = None,
     ) -> None:
         """`prefill_tokens_per_step` bounds the prompt tokens run between two decode steps
         (the ragged batch); `ragged=None` uses the ragged batch wherever it is supported,
@@ -107,7 +109,9 @@ class BlockPoolBatchEngine:
         quantized bytes; the ragged batch only (ValueError elsewhere).
 
         `speculation` (None: the KVRQ_SPECULATION switch, SPECULATION_DEFAULT unless set) lets decoding rows
-        verify prompt-lookup drafts where it pays (engine/batch/speculation.py); ragged batch only."""
+        verify prompt-lookup drafts where it pays (engine/batch/speculation.py); ragged batch only.
+        `draft_model`, a small model of the same vocabulary, drafts instead of the prompt lookup
+        (engine/batch/drafters.py; it turns speculation on unless `speculation` is False)."""
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.model = model
@@ -169,11 +173,21 @@ class BlockPoolBatchEngine:
         else:
             self._backend = MlxBatchBackend(model, max_batch=max_batch, prefill_step_size=prefill_step_size)
         self.ragged = use_ragged
+        self.drafter: Drafter = PromptLookup()
+        if draft_model is not None:
+            self.drafter = DraftModel(draft_model, self.vocab_size)
         if speculation is None:
-            speculation = switch("KVRQ_SPECULATION", default=SPECULATION_DEFAULT)
+            speculation = draft_model is not None or switch("KVRQ_SPECULATION", default=SPECULATION_DEFAULT)
         self.speculation: Speculation | None = None
         if speculation and isinstance(self._backend, RaggedBackend) and not self._backend.generator.latent:
-            self.speculation = self._backend.generator.speculation = Speculation(step_rows=step_rows)
+            self.speculation = self._backend.generator.speculation = Speculation(
+                step_rows=step_rows, drafts_cost_forwards=self.drafter.runs_a_model
+            )
+        elif draft_model is not None and speculation:
+            raise ValueError(
+                f"a draft model needs the ragged batch, which {type(model).__module__} does not run on: "
+                "leave draft_model unset"
+            )
         self._sequences: dict[int, _Sequence] = {}
         # Cutting a finished sequence's KV into blocks is a copy of all of it: done on this
         # thread it stalled the whole batch for the step a burst of sequences ended in.
@@ -309,7 +323,9 @@ class BlockPoolBatchEngine:
         # after a crash, mlx-lm's own generate), and whether a step drafts depends on its timing.
         seeded = bool(params.temperature) and params.seed is not None
         if can_draft(row) and not seeded:
-            row.speculation = RowSpeculation(sampled=SampledDraws(params) if params.temperature else None)
+            row.speculation = RowSpeculation(
+                sampled=SampledDraws(params) if params.temperature else None, drafter=self.drafter.for_row()
+            )
 
     def check(self, params: SamplingParams) -> None:
         """InvalidRequestError for what this model can never honour: a value outside its vocabulary,

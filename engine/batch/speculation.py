@@ -1,7 +1,7 @@
-"""Speculative decoding in the ragged batch from prompt-lookup drafts: a decoding row whose last
-tokens occurred earlier in its own context (prompt + output) proposes the tokens that followed them
-there, and the step verifies them in the same forward as its batch mates (the row runs 1 + k query
-tokens, like a prefill chunk).
+"""Speculative decoding in the ragged batch: a decoding row proposes k tokens (engine/batch/drafters.py:
+by default what followed the latest earlier occurrence of its last tokens in its own context, or a
+small draft model's guesses) and the step verifies them in the same forward as its batch mates (the
+row runs 1 + k query tokens, like a prefill chunk).
 
 Why: one agent's answer decodes at one row's speed, and agent answers copy long spans of their
 context (tool-call arguments quoting a file, a code edit rewriting a function it was shown): the next
@@ -14,13 +14,13 @@ sampling for a deterministic proposal (accept a draft token x with probability p
 without x, renormalised), which keeps the sampler's distribution. Rejected positions are trimmed
 without a copy: the row's caches just do not advance over them.
 
-Adaptive: a row drafts only where its n-gram occurs earlier; a row whose drafts keep failing pauses
-(longer each time); a step speculates only where the learnt cost says it pays: the tokens the
-drafts are expected to add against what their extra query tokens cost, at this many decoding rows
-(a large, compute-bound batch gains nothing). Rows run plainly (no drafts) where they have logits
-processors (grammar, penalties, logit bias: their state follows each token) or caches other than
-plain or quantized full attention (sliding windows, SSM state, MLA), and in models the ragged batch
-does not run.
+Adaptive: a row drafts only where its drafter has a guess (its n-gram occurs earlier); a row whose
+drafts keep failing pauses (longer each time); a step speculates only where the learnt cost says it
+pays: the tokens the drafts are expected to add against what their extra query tokens (and a draft
+model's forwards) cost, at this many decoding rows (a large, compute-bound batch gains nothing).
+Rows run plainly (no drafts) where they have logits processors (grammar, penalties, logit bias:
+their state follows each token) or caches other than plain or quantized full attention (sliding
+windows, SSM state, MLA), and in models the ragged batch does not run.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from engine.batch.drafters import NgramIndex, RowDrafter
 from engine.core.params import SamplingParams
 
-#: n-gram sizes looked up in a row's context, longest first.
-NGRAM_SIZES = (4, 3, 2)
 #: Draft lengths: a row starts at FIRST_DRAFT, doubles when all are accepted, halves when few are.
 FIRST_DRAFT = 4
 MIN_DRAFT = 2
@@ -73,35 +72,6 @@ class SpeculatedStep(Protocol):
     draft_tokens: int
     accepted_tokens: int
     step_s: float
-
-
-class NgramIndex:
-    """A row's context (append-only) and, for each n-gram, where it last ended before the last
-    token: the lookup is a dict read a step, not a scan of the context."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self._last: dict[tuple[int, ...], int] = {}
-        self._indexed = 0  # n-grams ending before this position are in _last
-
-    def sync(self, context: Sequence[int]) -> None:
-        """Take in the context's new tokens (`context` extends what came before)."""
-        self.tokens.extend(context[len(self.tokens) :])
-
-    def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the context's last n-gram."""
-        tokens, end = self.tokens, len(self.tokens) - 1
-        for i in range(self._indexed, end):
-            for n in NGRAM_SIZES:
-                if i + 1 >= n:
-                    self._last[tuple(tokens[i + 1 - n : i + 1])] = i
-        self._indexed = max(self._indexed, end)
-        for n in NGRAM_SIZES:
-            if end + 1 >= n:
-                at = self._last.get(tuple(tokens[end + 1 - n :]))
-                if at is not None:
-                    return tokens[at + 1 : at + 1 + k]
-        return []
 
 
 class SampledDraws:
@@ -154,7 +124,7 @@ class RowSpeculation:
     """One row's drafting state."""
 
     sampled: SampledDraws | None = None  # None: greedy
-    index: NgramIndex = field(default_factory=NgramIndex)
+    drafter: RowDrafter = field(default_factory=NgramIndex)  # engine/batch/drafters.py
     draft_length: int = FIRST_DRAFT
     acceptance: float = PRIOR_ACCEPTANCE  # accepted / proposed, averaged over its drafts
     misses: int = 0  # drafts in a row with nothing accepted
@@ -290,6 +260,29 @@ class StepTimes:
         return len(samples) >= MIN_SAMPLES
 
 
+@dataclass
+class Offer:
+    """A row that may draft this step: its draft (None: a model's, run only if the row is picked)."""
+
+    value: float  # expected accepted tokens per draft token
+    row: Any
+    length: int
+    state: RowSpeculation
+    draft: list[int] | None
+
+
+def drafts(offers: Sequence[Offer]) -> dict[int, list[int]]:
+    """The picked offers' drafts by row uid (a model's run now; a row it had no guess for drops out)."""
+    out = {}
+    for offer in offers:
+        draft = offer.draft
+        if draft is None:
+            draft = offer.state.drafter.draft(offer.row.cached_tokens + offer.row.pending, offer.length)
+        if draft:
+            out[offer.row.uid] = draft
+    return out
+
+
 class Speculation:
     """The batch's drafting policy: which rows draft this step, from what steps cost here.
 
@@ -299,10 +292,17 @@ class Speculation:
     step's cost at R + D tokens, where that beats R over a plain step's by MIN_GAIN; else none.
     """
 
-    def __init__(self, always: bool = False, step_rows: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        always: bool = False,
+        step_rows: Callable[[int], int] | None = None,
+        drafts_cost_forwards: bool = False,
+    ) -> None:
         """`always`: every row with a draft drafts, whatever the cost (tests; a benchmark's bound).
-        `step_rows`: the rows a step of so many query tokens runs as (StepTimes)."""
+        `step_rows`: the rows a step of so many query tokens runs as (StepTimes).
+        `drafts_cost_forwards`: the rows' drafters run a model (Drafter.runs_a_model)."""
         self.always = always
+        self.drafts_cost_forwards = drafts_cost_forwards
         self.times = StepTimes(step_rows)
         self.stats = SpeculationStats()
         self._since_plain: dict[int, int] = {}
@@ -327,7 +327,8 @@ class Speculation:
         if self._since_plain.get(decode_rows, 0) >= REMEASURE_EVERY and not self.always:
             self._since_plain[decode_rows] = 0
             return {}
-        offers = []
+        lazy = self.drafts_cost_forwards
+        offers: list[Offer] = []
         for row, state in candidates:
             if state.paused_until > step and not self.always:
                 continue
@@ -335,27 +336,28 @@ class Speculation:
             k = min(state.draft_length, room)
             if k <= 0:
                 continue
-            state.index.sync(row.cached_tokens + row.pending)
-            draft = state.index.propose(k)
-            if draft:
-                offers.append((state.expected_tokens(len(draft)) / len(draft), row.uid, draft, state))
+            # A model's drafts are run only for the rows picked below; a lookup shows what it has now.
+            draft = None if lazy else state.drafter.draft(row.cached_tokens + row.pending, k)
+            if draft is None or draft:
+                length = k if draft is None else len(draft)
+                offers.append(Offer(state.expected_tokens(length) / length, row, length, state, draft))
         if not offers:
             return {}
-        offers.sort(key=lambda offer: -offer[0])
+        offers.sort(key=lambda offer: -offer.value)
         if self.always:
-            return {uid: draft for _, uid, draft, _ in offers}
+            return drafts(offers)
         # A draft that would not pay even if its tokens cost nothing is never tried (nor probed).
         offers = [
-            o for o in offers if decode_rows + o[3].expected_tokens(len(o[2])) >= MIN_GAIN * decode_rows
+            o for o in offers if decode_rows + o.state.expected_tokens(o.length) >= MIN_GAIN * decode_rows
         ]
         if not offers:
             return {}
         assert plain_s is not None
         best_rate, best = MIN_GAIN * decode_rows / (plain_s + extra_s), 0
         gain, draft_tokens = 0.0, 0
-        for i, (_, _, draft, state) in enumerate(offers, start=1):
-            gain += state.expected_tokens(len(draft))
-            draft_tokens += len(draft)
+        for i, offer in enumerate(offers, start=1):
+            gain += offer.state.expected_tokens(offer.length)
+            draft_tokens += offer.length
             prior = None if token_s is None else plain_s + draft_tokens * token_s
             estimate = self.times.estimate(decode_rows + draft_tokens, drafted=True, prior=prior)
             assert estimate is not None  # the plain step of decode_rows is known
@@ -369,14 +371,13 @@ class Speculation:
                 break
         if best:
             self._turned_down, self._probe_every = 0, PROBE_EVERY
-            return {uid: draft for _, uid, draft, _ in offers[:best]}
+            return drafts(offers[:best])
         self._turned_down += 1
         if self._turned_down < self._probe_every:
             return {}
         self._turned_down = 0
         self._probe_every = min(MAX_PROBE_EVERY, self._probe_every * 2)
-        _, uid, draft, _ = offers[0]
-        return {uid: draft}
+        return drafts(offers[:1])
 
     def record_step(self, step: SpeculatedStep) -> None:
         """Learn from a step's time: a decode step without prompt tokens sets the cost of its

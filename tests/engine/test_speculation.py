@@ -15,10 +15,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from engine.batch.drafters import NgramIndex
 from engine.batch.engine import SPECULATION_DEFAULT, BlockPoolBatchEngine
 from engine.batch.speculation import (
     MIN_SAMPLES,
-    NgramIndex,
     RowSpeculation,
     SampledDraws,
     Speculation,

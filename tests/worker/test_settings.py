@@ -66,6 +66,7 @@ NONE_DEFAULTS_AS_DOCUMENTED = {
     "pool_mb": "`2048` (engine)",
     "pool_blocks": "",
     "kv_bits": "",
+    "draft_model": "",
     "kv_group_size": "`64` (engine)",
     "name": "`kvrq.HOST.PID.xxxx`",
     "max_held": "`2 x max_batch`",

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep running K/V quantized to 8 or 4 bits (unset: full precision)",
     )
     worker.add_argument(
+        "--draft-model",
+        help="a small model of the same tokenizer that drafts tokens (mlx-lm id or path; unset: each "
+        "row's own context drafts, docs/worker.md)",
+    )
+    worker.add_argument(
         "--kv-group-size", type=int, choices=(32, 64, 128), help="values per group of --kv-bits [64]"
     )
     worker.add_argument(
@@ -175,6 +180,7 @@ def worker_settings(args: argparse.Namespace) -> WorkerSettings:
             "store",
             "store_quantization",
             "kv_bits",
+            "draft_model",
             "kv_group_size",
             "pool_mb",
             "pool_blocks",
