@@ -1,16 +1,16 @@
-"""Speculative decoding (prompt-lookup drafts, engine/batch/speculation.py) on agent-shaped work, on
-the builtin SmolLM2, greedy: kvrq with and without speculation and raw mlx-lm's BatchGenerator in the
-same run, at 1, 4 and 16 rows.
+"""Speculative decoding (engine/batch/speculation.py: prompt lookup, or a draft model) on
+agent-shaped work, on the builtin SmolLM2, greedy: kvrq with and without speculation and raw mlx-lm's
+BatchGenerator in the same run, at 1, 4 and 16 rows.
 
 Tasks: `tool_call`, a tool call whose arguments quote a file shown in the prompt; `code_edit`, a
 function shown and rewritten with one change; `chat`, plain chat (the control: little to copy).
 Decode tokens/s counts the tokens after every row's first one over the time after it (prefill is the
 same work with or without drafts); `same` says whether the tokens with speculation equal those
-without (greedy: they must).
+without (greedy: they must). `--draft-model` adds a run with that draft model (`draft_*` columns).
 
 Run: python benchmarks/bench_spec.py [--quick] [--rows 1,4,16] [--tasks tool_call,code_edit,chat]
-[--max-tokens N] [--out PATH] (re-execs itself with OpenBLAS on Linux). Writes benchmarks/results/spec.json
-(or --out), prints a markdown table and a one-line summary.
+[--max-tokens N] [--draft-model NAME|builtin-q4] [--out PATH] (re-execs itself with OpenBLAS on
+Linux). Writes benchmarks/results/spec.json (or --out), prints a markdown table and a one-line summary.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "spec.json"
 TASKS = ("tool_call", "code_edit", "chat")
+DRAFT_Q4 = "builtin-q4"
 
 
 def source_file(i: int) -> str:
@@ -107,12 +108,17 @@ class Timeline:
 
 
 def run_kvrq(
-    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, spec: bool
+    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, spec: bool, draft_model: Any = None
 ) -> dict[str, Any]:
     from engine.batch.engine import BlockPoolBatchEngine
 
     engine = BlockPoolBatchEngine(
-        model, tokenizer, model_name="smollm2-135m", max_batch=len(prompts), speculation=spec
+        model,
+        tokenizer,
+        model_name="smollm2-135m",
+        max_batch=len(prompts),
+        speculation=spec,
+        draft_model=draft_model,
     )
     params = SamplingParams(max_tokens=max_tokens, stop_tokens=())
     uids = [engine.submit(None, p, params, keep_cache=False) for p in prompts]
@@ -154,7 +160,21 @@ def run_raw(model: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     return {"tok_s": rate}
 
 
-def bench(rows: list[int], tasks: list[str], max_tokens: int, repeat: int) -> list[dict[str, Any]]:
+def load_draft_model(name: str | None) -> Any:
+    """`--draft-model`: a model name for load_model, or DRAFT_Q4 (the builtin with its Q4_1 weights
+    kept: the same model, its argmax nearly always the fp32 one's, at another cost per token)."""
+    from engine.models.load import BUILTIN_MODEL, load_model
+
+    if name is None:
+        return None
+    if name == DRAFT_Q4:
+        return load_model(BUILTIN_MODEL, dequantize=False)[0]
+    return load_model(name)[0]
+
+
+def bench(
+    rows: list[int], tasks: list[str], max_tokens: int, repeat: int, draft_model: Any = None
+) -> list[dict[str, Any]]:
     from engine.models.load import load_model
 
     model, tokenizer = load_model("smollm2-135m")
@@ -170,6 +190,10 @@ def bench(rows: list[int], tasks: list[str], max_tokens: int, repeat: int) -> li
                 "off": lambda p=prompts: run_kvrq(model, tokenizer, p, max_tokens, False),  # type: ignore[misc]
                 "on": lambda p=prompts: run_kvrq(model, tokenizer, p, max_tokens, True),  # type: ignore[misc]
             }
+            if draft_model is not None:
+                runs["draft"] = lambda p=prompts: run_kvrq(  # type: ignore[misc]
+                    model, tokenizer, p, max_tokens, True, draft_model
+                )
             best: dict[str, dict[str, Any]] = {}
             for _ in range(repeat):  # interleaved: the machine's noise hits all three alike
                 for name, run in runs.items():
@@ -190,6 +214,13 @@ def bench(rows: list[int], tasks: list[str], max_tokens: int, repeat: int) -> li
                 "drafting_steps": f"{on['drafting_steps']}/{on['steps']}",
                 "same": on["tokens"] == off["tokens"],
             }
+            if draft_model is not None:
+                draft = best["draft"]
+                row["draft_tok_s"] = round(draft["tok_s"], 1)
+                row["draft_vs_off"] = round(draft["tok_s"] / off["tok_s"], 2)
+                row["draft_acceptance"] = draft["acceptance"]
+                row["draft_steps"] = f"{draft['drafting_steps']}/{draft['steps']}"
+                row["draft_same"] = draft["tokens"] == off["tokens"]
             print(row, flush=True)
             out.append(row)
     return out
@@ -202,11 +233,20 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16", help="batch sizes, comma-separated")
     parser.add_argument("--tasks", default=",".join(TASKS), help="tasks, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per row [128; quick 64]")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help=f"also run kvrq with this draft model (a model name, or {DRAFT_Q4}: the builtin's Q4_1 weights)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON written [{RESULTS}]")
     args = parser.parse_args()
     max_tokens = args.max_tokens or (64 if args.quick else 128)
     rows = bench(
-        [int(n) for n in args.rows.split(",")], args.tasks.split(","), max_tokens, 1 if args.quick else 2
+        [int(n) for n in args.rows.split(",")],
+        args.tasks.split(","),
+        max_tokens,
+        1 if args.quick else 2,
+        load_draft_model(args.draft_model),
     )
     print(table(rows), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

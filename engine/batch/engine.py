@@ -26,7 +26,7 @@ from engine.batch.checkpoints import CheckpointingBatchBackend
 from engine.batch.drafters import Drafter, DraftModel, PromptLookup
 from engine.batch.grammar import GrammarCompiler
 from engine.batch.sampling import make_processors, make_sampler
-from engine.batch.speculation import RowSpeculation, SampledDraws, Speculation, can_draft
+from engine.batch.speculation import RowSpeculation, SampledDraws, Speculation, SpeculationStats, can_draft
 from engine.batch.textstream import TextStream
 from engine.core.admission import Admission
 from engine.core.blocks import AgentCache, BlockPool, common_prefix_length
@@ -314,6 +314,10 @@ class BlockPoolBatchEngine:
             logprobs=[] if params.logprobs else None,
         )
         return uid
+
+    def speculation_stats(self) -> SpeculationStats | None:
+        """Drafted steps, draft tokens verified and accepted so far; None with speculation off."""
+        return None if self.speculation is None else self.speculation.stats
 
     def _may_draft(self, uid: int, params: SamplingParams) -> None:
         """Give a ragged row its drafting state where it can draft (engine/batch/speculation.py)."""

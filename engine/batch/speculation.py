@@ -271,18 +271,6 @@ class Offer:
     draft: list[int] | None
 
 
-def drafts(offers: Sequence[Offer]) -> dict[int, list[int]]:
-    """The picked offers' drafts by row uid (a model's run now; a row it had no guess for drops out)."""
-    out = {}
-    for offer in offers:
-        draft = offer.draft
-        if draft is None:
-            draft = offer.state.drafter.draft(offer.row.cached_tokens + offer.row.pending, offer.length)
-        if draft:
-            out[offer.row.uid] = draft
-    return out
-
-
 class Speculation:
     """The batch's drafting policy: which rows draft this step, from what steps cost here.
 
@@ -309,6 +297,28 @@ class Speculation:
         self._turned_down = 0  # steps in a row whose drafts did not pay
         self._probe_every = PROBE_EVERY
         self._last_drafted = False  # the last step recorded had drafts
+        self._draft_times: deque[float] = deque(maxlen=SAMPLES)  # a draft model's seconds per token
+
+    @property
+    def draft_token_s(self) -> float:
+        """What a draft model takes to guess one token (its forwards; 0 for a lookup, or before it
+        ran): added to a draft token's price, so a draft model slower than it pays is not run."""
+        return statistics.median(self._draft_times) if self._draft_times else 0.0
+
+    def _drafts(self, offers: Sequence[Offer]) -> dict[int, list[int]]:
+        """The picked offers' drafts by row uid (a model's run now, its cost kept; a row it had no
+        guess for drops out)."""
+        out = {}
+        for offer in offers:
+            draft = offer.draft
+            if draft is None:
+                drafter = offer.state.drafter
+                draft = drafter.draft(offer.row.cached_tokens + offer.row.pending, offer.length)
+                if draft:
+                    self._draft_times.append(drafter.token_s)
+            if draft:
+                out[offer.row.uid] = draft
+        return out
 
     def plan(
         self,
@@ -345,7 +355,7 @@ class Speculation:
             return {}
         offers.sort(key=lambda offer: -offer.value)
         if self.always:
-            return drafts(offers)
+            return self._drafts(offers)
         # A draft that would not pay even if its tokens cost nothing is never tried (nor probed).
         offers = [
             o for o in offers if decode_rows + o.state.expected_tokens(o.length) >= MIN_GAIN * decode_rows
@@ -358,7 +368,7 @@ class Speculation:
         for i, offer in enumerate(offers, start=1):
             gain += offer.state.expected_tokens(offer.length)
             draft_tokens += offer.length
-            prior = None if token_s is None else plain_s + draft_tokens * token_s
+            prior = None if token_s is None else plain_s + draft_tokens * (token_s + self.draft_token_s)
             estimate = self.times.estimate(decode_rows + draft_tokens, drafted=True, prior=prior)
             assert estimate is not None  # the plain step of decode_rows is known
             cost, founded = estimate
@@ -371,13 +381,13 @@ class Speculation:
                 break
         if best:
             self._turned_down, self._probe_every = 0, PROBE_EVERY
-            return drafts(offers[:best])
+            return self._drafts(offers[:best])
         self._turned_down += 1
         if self._turned_down < self._probe_every:
             return {}
         self._turned_down = 0
         self._probe_every = min(MAX_PROBE_EVERY, self._probe_every * 2)
-        return drafts(offers[:1])
+        return self._drafts(offers[:1])
 
     def record_step(self, step: SpeculatedStep) -> None:
         """Learn from a step's time: a decode step without prompt tokens sets the cost of its

@@ -121,8 +121,9 @@ def test_sampled_rows_keep_their_distribution_with_a_draft_model(model: object) 
 
 
 class CountingDrafter:
-    def __init__(self) -> None:
+    def __init__(self, token_s: float = 0.0) -> None:
         self.calls = 0
+        self.token_s = token_s  # what each guessed token "took"
 
     def draft(self, context: Any, k: int) -> list[int]:
         self.calls += 1
@@ -146,6 +147,21 @@ def test_the_policy_runs_the_draft_model_only_for_the_rows_it_picks() -> None:
     plan = speculation.plan(candidates, 4, step=2, extra_s=0.0)
     assert plan and all(draft == [7] * 4 for draft in plan.values())
     assert [d.calls for d in drafters] == [1 if i in plan else 0 for i in range(4)]
+
+
+def test_a_draft_model_slower_than_its_drafts_pay_for_is_not_run_again() -> None:
+    """Draft tokens are priced at a prompt token's cost plus the draft model's own time per token:
+    once a draft shows the model takes 0.2 s a token against a 50 ms step, the cost turns it down
+    (until a probe, PROBE_EVERY steps later)."""
+    speculation = Speculation(drafts_cost_forwards=True)
+    slow = CountingDrafter(token_s=0.2)
+    candidates: list[tuple[Any, RowSpeculation]] = [(FakeRow(0, prompt(30)), RowSpeculation(drafter=slow))]
+    measured(speculation, 1, False, 0.050)
+    assert speculation.plan(candidates, 1, step=1, extra_s=0.0, token_s=0.001), "tried once: nothing known"
+    assert slow.calls == 1 and speculation.draft_token_s == 0.2
+    for step in range(2, 20):
+        assert speculation.plan(candidates, 1, step=step, extra_s=0.0, token_s=0.001) == {}
+    assert slow.calls == 1
 
 
 def test_draft_models_that_cannot_draft_are_refused_with_what_to_do(model: object) -> None:

@@ -81,6 +81,9 @@ class FakeEngine:
     def free_slots(self) -> int:
         return self.max_batch - len(self._seqs)
 
+    def speculation_stats(self) -> None:
+        return None
+
     def keep_ready(self, n_tokens: Sequence[int]) -> int:
         self.kept_ready.append(list(n_tokens))
         return len(n_tokens)

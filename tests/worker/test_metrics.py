@@ -29,6 +29,7 @@ def test_metrics_export_jobs_tokens_cache_and_queues() -> None:
     assert f"kvrq_generated_tokens_total{{{me}}} {float(h.loop.counts['tokens'])}" in text
     assert f"kvrq_reused_tokens_total{{{me}}} 2.0" in text  # the second turn reused its "hi"
     assert f"kvrq_cache_lookups_total{{{me}}}" in text and "kvrq_queue_depth" in text
+    assert f"kvrq_draft_tokens_total{{{me}}} 0.0" in text, "speculation off: counted as none"
     assert queued.status() in ("queued", "started", "finished")
 
 

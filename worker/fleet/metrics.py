@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from engine.batch.speculation import SpeculationStats
 from producer.wire.protocol import shared_queue_of
 from worker.fleet.latency import HISTOGRAMS, LatencyHistograms
 from worker.loop.outcomes import COUNTERS
@@ -66,6 +67,15 @@ class WorkerCollector:
         ):
             family = CounterMetricFamily(name, text, labels=labels)
             family.add_metric(me, value)
+            yield family
+        drafting = loop.engine.speculation_stats() or SpeculationStats()
+        for name, count, text in (
+            ("kvrq_drafting_steps", drafting.steps, "engine steps that verified drafts"),
+            ("kvrq_draft_tokens", drafting.proposed, "draft tokens verified"),
+            ("kvrq_accepted_draft_tokens", drafting.accepted, "draft tokens accepted"),
+        ):
+            family = CounterMetricFamily(name, text, labels=labels)
+            family.add_metric(me, count)
             yield family
         held = GaugeMetricFamily("kvrq_jobs_held", "jobs this worker holds", labels=[*labels, "state"])
         held.add_metric([*me, "running"], len(loop.scheduler.running))

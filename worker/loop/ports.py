@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from engine.batch.speculation import SpeculationStats
     from engine.core.admission import Admission
     from engine.core.blocks import AgentCache, BlockPool
     from engine.core.params import SamplingParams
@@ -64,6 +65,10 @@ class Engine(Protocol):
 
     def memory(self) -> dict[str, int]:
         """Bytes held by kind (BlockPoolBatchEngine.memory), for the worker hash."""
+        ...
+
+    def speculation_stats(self) -> SpeculationStats | None:
+        """Drafted steps, draft tokens verified and accepted so far; None with speculation off."""
         ...
 
     def close(self) -> None: ...
