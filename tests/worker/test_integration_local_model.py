@@ -9,6 +9,8 @@ folder, and an agent's second turn must resume from the first turn's cache.
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from mlx_lm.generate import generate_step
 from engine.models.load import load_model
 from producer.client import Producer
 from producer.models import GenerationRequest
+from tests.conftest import free_port
 from tests.engine.tiny import model_config, save_model_folder, tiny_model
 from tests.worker.procs import RedisProcess, WorkerProcess, exits_cleanly, module_redis
 from worker.requests.prompts import prompt_tokens
@@ -31,11 +34,15 @@ VOCAB = 49152  # the builtin tokenizer's
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_next"])
 def model_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_folder(request.param, tmp_path_factory.mktemp("models"))
+
+
+def write_model_folder(arch: str, parent: Path) -> Path:
+    """A tiny random `arch` model with the builtin tokenizer, as an mlx-lm folder under `parent`."""
     from engine.models.gguf_smollm2 import gguf_path
     from engine.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 
-    arch = request.param
-    folder = tmp_path_factory.mktemp("models") / f"tiny-{arch}"
+    folder = parent / f"tiny-{arch}"
     loaded: Any = mx.load(str(gguf_path()), return_metadata=True)
     tokenizer_from_gguf_metadata(loaded[1])._tokenizer.save_pretrained(str(folder))
     save_model_folder(tiny_model(arch, vocab_size=VOCAB), model_config(arch, vocab_size=VOCAB), folder)
@@ -99,6 +106,33 @@ def test_worker_on_a_local_folder_answers_like_mlx_lm_and_resumes(
     else:
         assert again.usage.reused_tokens > result.usage.prompt_tokens - 8  # the first prompt, at least
     assert again.token_ids == greedy_reference(model_folder, second)
+
+
+def test_a_worker_with_a_draft_model_answers_like_mlx_lm_and_counts_its_drafts(
+    redis_proc: RedisProcess, tmp_path: Path
+) -> None:
+    """`--draft-model`: the model drafts for itself here (every greedy draft accepted); the answer is
+    mlx-lm's greedy decode, and /metrics shows drafts were verified (a first draft is always tried:
+    nothing is known of its cost yet)."""
+    folder = write_model_folder("llama", tmp_path)
+    port = free_port()
+    worker = WorkerProcess(
+        redis_proc.url,
+        tmp_path,
+        name="kvrq-drafted",
+        queue="drafted",
+        args=["--model", str(folder), "--draft-model", str(folder), "--metrics-port", str(port)],
+    )
+    request: dict[str, Any] = {"messages": [{"role": "user", "content": "Tell me about the sea. " * 40}]}
+    request["max_tokens"] = 24
+    with exits_cleanly(worker), Producer(redis_proc.url, queue="drafted") as producer:
+        result = producer.submit(request).result(timeout=300)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert result.token_ids == greedy_reference(folder, request)
+    verified = re.search(r'^kvrq_draft_tokens_total\{worker="kvrq-drafted"\} (\S+)$', metrics, re.M)
+    accepted = re.search(r'^kvrq_accepted_draft_tokens_total\{worker="kvrq-drafted"\} (\S+)$', metrics, re.M)
+    assert verified is not None and accepted is not None, metrics
+    assert float(verified.group(1)) > 0 and float(accepted.group(1)) == float(verified.group(1))
 
 
 def test_a_path_that_is_not_a_model_folder_stops_the_worker_with_what_is_missing(
