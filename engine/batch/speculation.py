@@ -363,12 +363,17 @@ class Speculation:
         if not offers:
             return {}
         assert plain_s is not None
+        # A draft token costs what a prompt token does in the step, and a draft model's time to guess
+        # it: the latter alone is a price once known (StepCost may have no figure yet).
+        price = token_s
+        if self.draft_token_s:
+            price = (token_s or 0.0) + self.draft_token_s
         best_rate, best = MIN_GAIN * decode_rows / (plain_s + extra_s), 0
         gain, draft_tokens = 0.0, 0
         for i, offer in enumerate(offers, start=1):
             gain += offer.state.expected_tokens(offer.length)
             draft_tokens += offer.length
-            prior = None if token_s is None else plain_s + draft_tokens * (token_s + self.draft_token_s)
+            prior = None if price is None else plain_s + draft_tokens * price
             estimate = self.times.estimate(decode_rows + draft_tokens, drafted=True, prior=prior)
             assert estimate is not None  # the plain step of decode_rows is known
             cost, founded = estimate

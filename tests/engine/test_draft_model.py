@@ -14,7 +14,7 @@ import pytest
 
 from engine.batch.drafters import DraftModel, DraftModelRow
 from engine.batch.engine import BlockPoolBatchEngine
-from engine.batch.speculation import RowSpeculation, Speculation
+from engine.batch.speculation import PROBE_EVERY, RowSpeculation, Speculation
 from engine.core.params import SamplingParams
 from tests.engine.test_ragged import prompt, run_all
 from tests.engine.test_speculation import (
@@ -159,8 +159,9 @@ def test_a_draft_model_slower_than_its_drafts_pay_for_is_not_run_again() -> None
     measured(speculation, 1, False, 0.050)
     assert speculation.plan(candidates, 1, step=1, extra_s=0.0, token_s=0.001), "tried once: nothing known"
     assert slow.calls == 1 and speculation.draft_token_s == 0.2
-    for step in range(2, 20):
+    for step in range(2, 1 + PROBE_EVERY // 2):  # 2 calls a step: fewer turned down than a probe waits for
         assert speculation.plan(candidates, 1, step=step, extra_s=0.0, token_s=0.001) == {}
+        assert speculation.plan(candidates, 1, step=step, extra_s=0.0, token_s=None) == {}, "no StepCost yet"
     assert slow.calls == 1
 
 
