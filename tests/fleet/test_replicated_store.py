@@ -22,7 +22,7 @@ from redis import Redis
 from rq.job import Job
 
 from engine.core.results import Completion
-from producer.wire.protocol import JOB_FUNCTION, agent_fence_key, agent_lock_key
+from producer.wire.protocol import JOB_FUNCTION, StreamEvent, agent_fence_key, agent_lock_key, stream_key
 from producer.wire.redis_url import connect
 from store.errors import StoreError
 from store.redis_store import RedisStore
@@ -258,9 +258,34 @@ def test_endings_are_asked_about_on_a_replica_and_a_dropped_one_is_handed_back(
     )  # deleted meanwhile (result_ttl=0): nothing to redo
     endings.written(handed_back, HandedBack())  # not asked about: a requeue is rq's
     before = _waits(primary)
-    assert endings.lost() == [(dropped, finished)]
+    assert endings.lost() == [(dropped, finished, frozenset({"stream", "rq", "turn"}))]
     assert _waits(primary) == before + 1
     assert endings.lost() == []  # each asked about once
+
+
+def test_an_ending_a_failover_dropped_in_part_is_handed_back_for_that_part(
+    topology: SentinelTopology,
+) -> None:
+    """The stream's closing and rq's ending are two transactions: a failover may keep either one. Only
+    the part that is gone is handed back (a closing written twice reads as a job run twice)."""
+    connection = connect(topology.url)
+    primary = topology.data(topology.primary_port())
+    endings = ConfirmedEndings(connection)
+    whole, closed_only, rq_only = (_held(connection, f"part-{i}") for i in range(3))
+    finished = Finished(cast(Completion, None))
+    for held, status, last in (
+        (whole, "finished", StreamEvent("end", finish_reason="length")),
+        (closed_only, "started", StreamEvent("end", finish_reason="length")),
+        (rq_only, "finished", StreamEvent("delta", text="a", token=1)),
+    ):
+        primary.hset(held.job.key, "status", status)
+        primary.xadd(stream_key(held.id), StreamEvent("start", attempt="x").to_fields())  # type: ignore[arg-type]
+        primary.xadd(stream_key(held.id), last.to_fields())  # type: ignore[arg-type]
+        endings.written(held, finished)
+    assert endings.lost() == [
+        (closed_only, finished, frozenset({"rq", "turn"})),
+        (rq_only, finished, frozenset({"stream"})),
+    ]
 
 
 def test_endings_on_a_plain_redis_are_not_asked_about(redis_url: str) -> None:

@@ -17,6 +17,7 @@ from producer.client import JobCanceledError, JobFailedError
 from producer.wire.protocol import ERROR_META_KEY, JOB_FUNCTION, agent_lock_key
 from tests.worker.fakes import FakeEngine
 from tests.worker.harness import Harness
+from worker.fleet.confirmed_endings import Lost
 from worker.fleet.maintenance import clean_queues
 from worker.jobs import rqexec
 from worker.loop.held import HeldJob
@@ -327,13 +328,13 @@ def test_an_ending_a_failover_dropped_is_written_again_once(
             dropped.append((held, outcome))
         return write_ending(held, outcome)
 
-    def lost_once() -> list[tuple[HeldJob, Outcome]]:
+    def lost_once() -> list[Lost]:
         if not dropped:
             return []
         h.redis.flushall()
         for key, value in snapshot.items():
             h.redis.restore(key, 0, value)
-        return [dropped.pop()]
+        return [Lost(*dropped.pop(), frozenset({"stream", "rq", "turn"}))]
 
     monkeypatch.setattr(h.loop.endings, "write", snapshot_then_write)
     monkeypatch.setattr(h.loop.confirmed, "lost", lost_once)

@@ -135,7 +135,7 @@ class AgentTurns:
         Raises redis-py's ConnectionError when Redis is away."""
         found = self._released.read_back(lambda pipe, released: pipe.get(agent_lock_key(released[0])))
         again = 0
-        for (agent_id, job_id), value in found:
+        for (agent_id, job_id), (value,) in found:
             if as_text(value) == self._token(job_id) and self._locks.get(agent_id) != job_id:
                 log.warning(
                     "agent %s: the release of job %s's turn was gone after a failover: again",

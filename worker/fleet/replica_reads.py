@@ -2,7 +2,7 @@
 
 A write the old primary acknowledged just before a failover may be gone on the new one. Job endings
 (worker/fleet/confirmed_endings.py) and agent-turn releases (worker/fleet/agent_turns.py) each keep what they
-wrote here, and ask about all of it with one `WAIT` and one read each (`read_after_wait`): while no
+wrote here, and ask about all of it with one `WAIT` and each item's reads (`read_after_wait`): while no
 replica confirms, they are asked again every CONFIRM_RETRY_S, for FAILOVER_BUDGET_S. Nothing is kept
 on a plain URL. No engine import: the client commands load this module.
 """
@@ -47,18 +47,21 @@ class ReplicaReads(Generic[T]):
         if self.replicas > 0:
             self._pending.append((item, time.monotonic()))
 
-    def read_back(self, read: Callable[[Any, T], object]) -> list[tuple[T, Any]]:
-        """(item, its reply) for every item, once a replica confirmed; `read(pipe, item)` queues the
-        item's read. [] while none confirms (asked again later). Raises redis-py's ConnectionError
-        when Redis is away (the loop's outage handling)."""
+    def read_back(self, read: Callable[[Any, T], object]) -> list[tuple[T, list[Any]]]:
+        """(item, its replies) for every item, once a replica confirmed; `read(pipe, item)` queues the
+        item's reads (one or more). [] while none confirms (asked again later). Raises redis-py's
+        ConnectionError when Redis is away (the loop's outage handling)."""
         now = time.monotonic()
         if not self._pending or now < self._next_try:
             return []
         asked = list(self._pending)
+        counts: list[int] = []  # reads queued per item
 
         def reads(pipe: Any) -> None:
             for item, _ in asked:
+                before = len(pipe)
                 read(pipe, item)
+                counts.append(len(pipe) - before)
 
         confirmed, replies = read_after_wait(self.connection, self.replicas, self.timeout_ms, reads)
         if confirmed < self.replicas:
@@ -71,4 +74,8 @@ class ReplicaReads(Generic[T]):
             self._next_try = now + CONFIRM_RETRY_S
             return []
         self._pending = self._pending[len(asked) :]
-        return [(item, reply) for (item, _), reply in zip(asked, replies, strict=True)]
+        found, start = [], 0
+        for (item, _), count in zip(asked, counts, strict=True):
+            found.append((item, replies[start : start + count]))
+            start += count
+        return found

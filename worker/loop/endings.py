@@ -78,11 +78,11 @@ class Endings:
             written = self.write(held, outcome)
             self.queue.popleft()
             self.confirmed.written(held, written)
-        for held, outcome in self.confirmed.lost():
-            # The failover dropped these writes: once more, on the new primary.
-            held.end_steps -= {"stream", "rq", "turn"}
+        for lost in self.confirmed.lost():
+            # The failover dropped these writes: once more, on the new primary (only those it dropped).
+            lost.held.end_steps -= lost.steps
             self.parts.counts["endings_rewritten"] += 1
-            self.queue.append((held, outcome))
+            self.queue.append((lost.held, lost.outcome))
         self.parts.counts["releases_rewritten"] += self.parts.turns.confirm_releases()
 
     def write(self, held: HeldJob, outcome: Outcome) -> Outcome:
@@ -94,8 +94,11 @@ class Endings:
             self.parts.scheduler.agent_done(held)  # its cache is in the store: the agent's next job may start
             steps.add("cache")
         if "stream" not in steps:
-            if isinstance(outcome, Finished) and not rqexec.owns_execution(
-                self.parts.connection, held.job, held.execution
+            # Where rq's ending stands (a failover dropped only the closing), the run is ours: no check.
+            if (
+                isinstance(outcome, Finished)
+                and "rq" not in steps
+                and not rqexec.owns_execution(self.parts.connection, held.job, held.execution)
             ):
                 outcome = TakenOver(None)  # re-run elsewhere meanwhile: its stream and result are that run's
             self._publish(held.job, outcome, held)
