@@ -30,6 +30,10 @@ class RowDrafter(Protocol):
 
     token_s: float
 
+    def behind(self, n_context: int) -> int:
+        """Context tokens it must read before its next draft (0 for a lookup)."""
+        ...
+
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         """Up to k tokens likely to follow `context` (the row's prompt and output so far, which only
         grows between calls); [] where there is no guess."""
@@ -39,9 +43,12 @@ class RowDrafter(Protocol):
 class Drafter(Protocol):
     """Makes each row's RowDrafter. `runs_a_model`: a draft costs forwards, so the policy asks for
     drafts only from the rows it picked (a lookup is free: every row is asked, and offers only what
-    it finds)."""
+    it finds). `token_s` and `prompt_token_s`: what guessing a token and reading a context token
+    cost, timed once when it is made (0 for a lookup): the policy's prices before rows are timed."""
 
     runs_a_model: bool
+    token_s: float
+    prompt_token_s: float
 
     def for_row(self) -> RowDrafter: ...
 
@@ -60,6 +67,9 @@ class NgramIndex:
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         self.sync(context)
         return self.propose(k)
+
+    def behind(self, n_context: int) -> int:
+        return 0
 
     def sync(self, context: Sequence[int]) -> None:
         """Take in the context's new tokens (`context` extends what came before)."""
@@ -85,6 +95,7 @@ class PromptLookup:
     """Drafts from the row's own context: the default drafter."""
 
     runs_a_model = False
+    token_s = prompt_token_s = 0.0
 
     def for_row(self) -> RowDrafter:
         return NgramIndex()
@@ -109,9 +120,24 @@ class DraftModel:
                 "a draft model needs full attention"
             )
         self.model = model
+        self.token_s, self.prompt_token_s = time_draft_model(model)
 
     def for_row(self) -> RowDrafter:
         return DraftModelRow(self.model)
+
+
+def time_draft_model(model: Any, tokens: int = 16, guesses: int = 4) -> tuple[float, float]:
+    """Seconds a draft model takes per guessed token and per context token read, from one short
+    draft (a second one: the first also warms it up)."""
+    context = [1 + i % 200 for i in range(tokens)]
+    token_s = read_s = 0.0
+    for _ in range(2):
+        row = DraftModelRow(model)
+        started = time.perf_counter()
+        row.draft(context, guesses)
+        token_s = row.token_s
+        read_s = time.perf_counter() - started - token_s * guesses
+    return token_s, max(0.0, read_s) / tokens
 
 
 class DraftModelRow:
@@ -123,6 +149,9 @@ class DraftModelRow:
         self.tokens: list[int] = []  # what the cache holds, in order
         self._verified = 0  # tokens[:_verified] is known to be a prefix of the row's context
         self.token_s = 0.0
+
+    def behind(self, n_context: int) -> int:
+        return max(0, n_context - len(self.tokens))
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         if k <= 0 or not context:

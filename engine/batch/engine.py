@@ -181,7 +181,7 @@ class BlockPoolBatchEngine:
         self.speculation: Speculation | None = None
         if speculation and isinstance(self._backend, RaggedBackend) and not self._backend.generator.latent:
             self.speculation = self._backend.generator.speculation = Speculation(
-                step_rows=step_rows, drafts_cost_forwards=self.drafter.runs_a_model
+                step_rows=step_rows, drafter=self.drafter
             )
         elif draft_model is not None and speculation:
             raise ValueError(

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from engine.batch.drafters import NgramIndex, RowDrafter
+from engine.batch.drafters import Drafter, NgramIndex, RowDrafter
 from engine.core.params import SamplingParams
 
 #: Draft lengths: a row starts at FIRST_DRAFT, doubles when all are accepted, halves when few are.
@@ -60,6 +60,9 @@ MAX_PROBE_EVERY = 256
 #: A step drafts only where the cost says its tokens per second gain at least this factor: a
 #: prediction within the noise of a step's time is no reason to pay a draft's extra work.
 MIN_GAIN = 1.05
+#: A draft model's catch-up with a row's context is charged to the drafts of the row's next this many
+#: tokens at most, a share to each.
+CATCH_UP_SPREAD = 256
 #: Step times kept per estimate; the estimate is their median (robust to a step a neighbour slowed),
 #: taken as founded from MIN_SAMPLES of them.
 SAMPLES = 9
@@ -269,6 +272,7 @@ class Offer:
     length: int
     state: RowSpeculation
     draft: list[int] | None
+    catch_up_s: float = 0.0  # its share of a draft model's catch-up with the row's context
 
 
 class Speculation:
@@ -284,13 +288,14 @@ class Speculation:
         self,
         always: bool = False,
         step_rows: Callable[[int], int] | None = None,
-        drafts_cost_forwards: bool = False,
+        drafter: Drafter | None = None,
     ) -> None:
         """`always`: every row with a draft drafts, whatever the cost (tests; a benchmark's bound).
         `step_rows`: the rows a step of so many query tokens runs as (StepTimes).
-        `drafts_cost_forwards`: the rows' drafters run a model (Drafter.runs_a_model)."""
+        `drafter`: where the rows' drafts come from (None: a prompt lookup); a draft model's drafts
+        are run only for the rows a step picks, and priced at its own time per token."""
         self.always = always
-        self.drafts_cost_forwards = drafts_cost_forwards
+        self.drafts_cost_forwards = drafter is not None and drafter.runs_a_model
         self.times = StepTimes(step_rows)
         self.stats = SpeculationStats()
         self._since_plain: dict[int, int] = {}
@@ -298,12 +303,26 @@ class Speculation:
         self._probe_every = PROBE_EVERY
         self._last_drafted = False  # the last step recorded had drafts
         self._draft_times: deque[float] = deque(maxlen=SAMPLES)  # a draft model's seconds per token
+        if drafter is not None and drafter.token_s:
+            self._draft_times.append(drafter.token_s)
+        self.draft_prompt_s = 0.0 if drafter is None else drafter.prompt_token_s  # a context token read
 
     @property
     def draft_token_s(self) -> float:
         """What a draft model takes to guess one token (its forwards; 0 for a lookup, or before it
         ran): added to a draft token's price, so a draft model slower than it pays is not run."""
         return statistics.median(self._draft_times) if self._draft_times else 0.0
+
+    def _catch_up_share(self, row: Any, state: RowSpeculation, length: int) -> float:
+        """The part of a draft model's catch-up with the row's context (read once, then kept) that
+        this step's draft is charged: the whole spread over the drafts its next tokens would take
+        (CATCH_UP_SPREAD at most: max_tokens says little of an answer's length)."""
+        behind = state.drafter.behind(len(row.cached_tokens) + len(row.pending))
+        if not behind:
+            return 0.0
+        tokens_left = min(CATCH_UP_SPREAD, max(1, row.max_tokens - len(row.sampled)))
+        drafts_left = max(1.0, tokens_left / (1 + state.expected_tokens(length)))
+        return behind * self.draft_prompt_s / drafts_left
 
     def _drafts(self, offers: Sequence[Offer]) -> dict[int, list[int]]:
         """The picked offers' drafts by row uid (a model's run now, its cost kept; a row it had no
@@ -350,7 +369,10 @@ class Speculation:
             draft = None if lazy else state.drafter.draft(row.cached_tokens + row.pending, k)
             if draft is None or draft:
                 length = k if draft is None else len(draft)
-                offers.append(Offer(state.expected_tokens(length) / length, row, length, state, draft))
+                offer = Offer(state.expected_tokens(length) / length, row, length, state, draft)
+                if lazy:
+                    offer.catch_up_s = self._catch_up_share(row, state, length)
+                offers.append(offer)
         if not offers:
             return {}
         offers.sort(key=lambda offer: -offer.value)
@@ -369,15 +391,16 @@ class Speculation:
         if self.draft_token_s:
             price = (token_s or 0.0) + self.draft_token_s
         best_rate, best = MIN_GAIN * decode_rows / (plain_s + extra_s), 0
-        gain, draft_tokens = 0.0, 0
+        gain, draft_tokens, catch_up_s = 0.0, 0, 0.0
         for i, offer in enumerate(offers, start=1):
             gain += offer.state.expected_tokens(offer.length)
             draft_tokens += offer.length
+            catch_up_s += offer.catch_up_s
             prior = None if price is None else plain_s + draft_tokens * price
             estimate = self.times.estimate(decode_rows + draft_tokens, drafted=True, prior=prior)
             assert estimate is not None  # the plain step of decode_rows is known
             cost, founded = estimate
-            rate = (decode_rows + gain) / (cost + extra_s)
+            rate = (decode_rows + gain) / (cost + extra_s + catch_up_s)
             if rate > best_rate:
                 best_rate, best = rate, i
             if not founded:  # a guess: one draft more than founded figures cover, at most, is tried

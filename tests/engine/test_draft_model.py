@@ -7,6 +7,7 @@ refused with what to do instead."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -46,7 +47,8 @@ def greedy_continuation(model: Any, context: list[int], n: int) -> list[int]:
     """The model's own greedy tokens after `context`, each from a full forward (no cache)."""
     tokens = list(context)
     for _ in range(n):
-        tokens.append(int(mx.argmax(model(mx.array(tokens)[None])[0, -1]).item()))
+        greedy: int = mx.argmax(model(mx.array(tokens)[None])[0, -1]).item()  # type: ignore[assignment]
+        tokens.append(greedy)
     return tokens[len(context) :]
 
 
@@ -120,10 +122,29 @@ def test_sampled_rows_keep_their_distribution_with_a_draft_model(model: object) 
         assert stat < generous_bound(df), (a, b)
 
 
+@dataclass
+class ModelDrafter:
+    """A Drafter that runs a model, at these prices timed when it was made."""
+
+    token_s: float = 0.0
+    prompt_token_s: float = 0.0
+    runs_a_model: bool = True
+
+    def for_row(self) -> CountingDrafter:
+        return CountingDrafter(self.token_s)
+
+
+COSTLY = ModelDrafter()  # prices not known up front: the policy learns them from the rows' drafts
+
+
 class CountingDrafter:
-    def __init__(self, token_s: float = 0.0) -> None:
+    def __init__(self, token_s: float = 0.0, behind: int = 0) -> None:
         self.calls = 0
         self.token_s = token_s  # what each guessed token "took"
+        self.lag = behind
+
+    def behind(self, n_context: int) -> int:
+        return self.lag
 
     def draft(self, context: Any, k: int) -> list[int]:
         self.calls += 1
@@ -131,7 +152,7 @@ class CountingDrafter:
 
 
 def test_the_policy_runs_the_draft_model_only_for_the_rows_it_picks() -> None:
-    speculation = Speculation(drafts_cost_forwards=True)
+    speculation = Speculation(drafter=COSTLY)
     drafters = [CountingDrafter() for _ in range(4)]
     candidates: list[tuple[Any, RowSpeculation]] = [
         (FakeRow(i, prompt(30)), RowSpeculation(acceptance=0.8, drafter=d)) for i, d in enumerate(drafters)
@@ -153,7 +174,7 @@ def test_a_draft_model_slower_than_its_drafts_pay_for_is_not_run_again() -> None
     """Draft tokens are priced at a prompt token's cost plus the draft model's own time per token:
     once a draft shows the model takes 0.2 s a token against a 50 ms step, the cost turns it down
     (until a probe, PROBE_EVERY steps later)."""
-    speculation = Speculation(drafts_cost_forwards=True)
+    speculation = Speculation(drafter=COSTLY)
     slow = CountingDrafter(token_s=0.2)
     candidates: list[tuple[Any, RowSpeculation]] = [(FakeRow(0, prompt(30)), RowSpeculation(drafter=slow))]
     measured(speculation, 1, False, 0.050)
@@ -163,6 +184,36 @@ def test_a_draft_model_slower_than_its_drafts_pay_for_is_not_run_again() -> None
         assert speculation.plan(candidates, 1, step=step, extra_s=0.0, token_s=0.001) == {}
         assert speculation.plan(candidates, 1, step=step, extra_s=0.0, token_s=None) == {}, "no StepCost yet"
     assert slow.calls == 1
+
+
+def test_a_draft_model_timed_slower_than_it_pays_for_is_never_run() -> None:
+    """A draft model is timed when it is made (a Q4 model on the CPU guesses a token slower than the
+    fp32 model it drafts for decodes one): its drafts are priced out before any row runs it."""
+    speculation = Speculation(drafter=ModelDrafter(token_s=0.2, prompt_token_s=0.05))
+    slow = CountingDrafter()
+    candidates: list[tuple[Any, RowSpeculation]] = [(FakeRow(0, prompt(30)), RowSpeculation(drafter=slow))]
+    measured(speculation, 1, False, 0.050)
+    for step in range(1, PROBE_EVERY):
+        assert speculation.plan(candidates, 1, step=step, extra_s=0.0, token_s=0.001) == {}
+    assert slow.calls == 0
+
+
+def test_a_rows_catch_up_is_charged_in_shares_to_its_next_drafts() -> None:
+    """A draft model reads a row's context once before its first draft: 100 tokens at 1 ms, spread
+    over the drafts of the row's 99 tokens left, is a share of nothing; 50,000 (50 s) is more than a
+    draft returns in a 50 ms step."""
+    speculation = Speculation(drafter=ModelDrafter(token_s=0.0001, prompt_token_s=0.001))
+    measured(speculation, 1, False, 0.050)
+    near, far = CountingDrafter(behind=100), CountingDrafter(behind=50_000)
+    assert speculation.plan([(FakeRow(0, prompt(30)), RowSpeculation(drafter=near))], 1, 1, 0.0, 0.001)
+    assert not speculation.plan([(FakeRow(1, prompt(30)), RowSpeculation(drafter=far))], 1, 2, 0.0, 0.001)
+    assert far.calls == 0
+
+
+def test_a_draft_model_is_timed_when_it_is_made(model: object) -> None:
+    drafter = DraftModel(model, vocab_size=256)
+    assert drafter.token_s > 0 and drafter.prompt_token_s > 0
+    assert drafter.runs_a_model
 
 
 def test_draft_models_that_cannot_draft_are_refused_with_what_to_do(model: object) -> None:
