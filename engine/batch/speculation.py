@@ -57,6 +57,9 @@ REMEASURE_EVERY = 64
 #: second step), so probes are rare: one in the first 32 turned-down steps, then 64, 128, 256.
 PROBE_EVERY = 32
 MAX_PROBE_EVERY = 256
+#: A draft model's probe waits until its own work (catch-up and guesses) is at most this share of the
+#: time the steps turned down since the last probe took.
+PROBE_SHARE = 0.1
 #: A step drafts only where the cost says its tokens per second gain at least this factor: a
 #: prediction within the noise of a step's time is no reason to pay a draft's extra work.
 MIN_GAIN = 1.05
@@ -300,6 +303,7 @@ class Speculation:
         self.stats = SpeculationStats()
         self._since_plain: dict[int, int] = {}
         self._turned_down = 0  # steps in a row whose drafts did not pay
+        self._turned_down_s = 0.0  # and what they cost (plain steps)
         self._probe_every = PROBE_EVERY
         self._last_drafted = False  # the last step recorded had drafts
         self._draft_times: deque[float] = deque(maxlen=SAMPLES)  # a draft model's seconds per token
@@ -408,14 +412,25 @@ class Speculation:
                     best = 1  # and the first offer's size is timed until founded, whatever it says
                 break
         if best:
-            self._turned_down, self._probe_every = 0, PROBE_EVERY
+            self._turned_down, self._turned_down_s, self._probe_every = 0, 0.0, PROBE_EVERY
             return self._drafts(offers[:best])
         self._turned_down += 1
-        if self._turned_down < self._probe_every:
+        self._turned_down_s += plain_s
+        if self._turned_down < self._probe_every or not self._may_probe(offers[0]):
             return {}
-        self._turned_down = 0
+        self._turned_down, self._turned_down_s = 0, 0.0
         self._probe_every = min(MAX_PROBE_EVERY, self._probe_every * 2)
         return self._drafts(offers[:1])
+
+    def _may_probe(self, offer: Offer) -> bool:
+        """Whether a probe's draft-model work (its catch-up with the row's context, whole, and its
+        guesses) is within PROBE_SHARE of the steps turned down since the last probe: a lookup's
+        always is; a draft model slower than the model never gets to probe."""
+        if offer.draft is not None:
+            return True
+        behind = offer.state.drafter.behind(len(offer.row.cached_tokens) + len(offer.row.pending))
+        work_s = behind * self.draft_prompt_s + offer.length * self.draft_token_s
+        return work_s <= PROBE_SHARE * self._turned_down_s
 
     def record_step(self, step: SpeculatedStep) -> None:
         """Learn from a step's time: a decode step without prompt tokens sets the cost of its
