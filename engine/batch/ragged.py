@@ -29,7 +29,7 @@ and each step is ONE forward pass over a flat batch of tokens:
 - a decoding row may carry a prompt-lookup draft after its token (engine/batch/speculation.py):
   its 1 + k tokens run like a prefill chunk, the verified ones are kept and the caches trimmed
   back over the rest;
-- on the CPU, a flat batch of 4-16 tokens runs as 16 rows and 20-31 as 32, OpenBLAS's fast
+- on the CPU, a flat batch of 10-16 tokens runs as 16 rows and 20-31 as 32, OpenBLAS's fast
   matmul shapes (engine/cpu/gemm_rows.py): the extra rows attend to nothing, write no K/V and are
   never sampled.
 """

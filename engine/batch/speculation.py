@@ -176,8 +176,8 @@ class StepTimes:
     moves its rows out of the ShortSlots, a plain one of as many tokens does not).
 
     Why by tokens and not a cost per draft token: on the CPU a step's matmuls run at 16 or 32 rows
-    (engine/cpu/gemm_rows.py), so its cost is a staircase: 4 rows plus 8 drafts cost what 4 rows do,
-    1 row plus 4 drafts twice one row. So a count is kept as the rows its step runs as (`step_rows`:
+    (engine/cpu/gemm_rows.py), so its cost is a staircase: 10 rows plus 6 drafts cost what 10 rows do,
+    16 rows plus 4 drafts twice 16 rows. So a count is kept as the rows its step runs as (`step_rows`:
     20 to 31 tokens are one figure, 32 rows, there), and a count not measured yet is read off its
     neighbours."""
 

@@ -253,8 +253,9 @@ def test_the_policy_drafts_where_the_step_is_cheap_and_not_where_draft_tokens_co
 
 
 def test_the_policy_reads_the_cpus_staircase_of_step_costs() -> None:
-    """On the CPU 4 rows run as 16 matmul rows: drafts up to 16 tokens in all cost (almost) nothing
-    there, while one row's first draft doubles its step: it pays only with drafts likely accepted."""
+    """A staircase of step costs, as on the CPU (engine/cpu/gemm_rows.py): where a step of 4 rows
+    costs what one of 16 tokens does, drafts up to 16 tokens in all cost (almost) nothing, while one
+    row's first draft doubles its step: it pays only with drafts likely accepted."""
     speculation = Speculation()
     measured(speculation, 4, False, 0.100)
     measured(speculation, 16, True, 0.102)
