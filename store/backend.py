@@ -1,9 +1,9 @@
 """BlockBackend: what every backend of the hot tier offers (the CacheStore calls, budgets, prefixes), and
 the checks each call makes before any I/O.
 
-A backend that stores caches itself is a BlockStore (store/policy.py: the policy written once over a
-few primitives; store/commit.py: the put), DiskStore or RedisStore; ShardedStore routes each call to
-the BlockStore that holds the agent.
+A backend that stores caches itself is a BlockStore (store/policy.py: the policy written once over the
+primitives its docstring lists; store/commit.py: the put), DiskStore or RedisStore; ShardedStore routes
+each call to the BlockStore that holds the agent.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Byte budgets: least recently used agents are evicted until the store fits max_bytes, pinned ones never.
 
 Written once for the backends that store caches (BlockStore mixes it in): a backend supplies what it
-holds (`_usage`) and how to remove one agent (`_remove`, atomic on its side, conditional for damaged
-caches).
+holds (`_usage`); removing one agent (`_remove`) is BlockStore's delete, a guarded swap of its
+manifest to nothing.
 """
 
 from __future__ import annotations
@@ -59,10 +59,8 @@ class ByteBudget(BlockBackend):
 
     @abstractmethod
     def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
-        """delete: one agent's cache by its usage handle, atomically (its blocks, its index entries
-        and its references on shared blocks); False if it was already gone. With `only_if`, only
-        while its manifest still holds exactly those bytes (a damaged cache no writer replaced). A
-        primitive: under the agent's lock on disk, a WATCHed MULTI/EXEC in Redis."""
+        """Delete one agent's cache by its usage handle, atomically; False if it was already gone
+        (BlockStore's, over the backend's compare-and-swap)."""
 
     def _after_put(self, handle: str, nbytes: int) -> None:
         """Evict if the store may be over budget (a full scan at most every few seconds otherwise)."""

@@ -2,18 +2,19 @@
 swap the manifest in by a guarded compare-and-swap under the fence.
 
 WritingBackend is the base of the backends that store blocks themselves (DiskStore, RedisStore) and
-supplies their `_write`; they supply its primitives: put-many (`_write_blocks`) and the manifest's
-compare-and-swap (`_manifest_guard`, `_blocks_exist`, `_swap_manifest`). A store that routes each
-put to another store (ShardedStore) is a plain BlockBackend and has none of them.
+supplies their `_write`; they supply its primitives (store/policy.py lists them all): put-many
+(`_write_blocks`, `_discard`) and the manifest's compare-and-swap (`_manifest_guard` and
+`_swap_attempts`, which the delete shares, `_blocks_exist`, `_watch_shared`, `_swap_manifest`). A
+store that routes each put to another store (ShardedStore) is a plain BlockBackend and has none of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,10 +179,10 @@ class WritingBackend(BlockStore):
         plan: WritePlan | None = None
         linked: list[NewBlock] = []
         attempts = 0
-        for attempts in self._put_attempts():
+        for attempts in self._swap_attempts():
             if attempts > 1:
                 self._stats.add("put_retries")
-            with self._manifest_guard(agent_id) as (guard, current):
+            with self._manifest_guard(self._handle(agent_id)) as (guard, current):
                 # Compared under the guard: a writer that swaps the manifest in meanwhile fails our swap.
                 new_fence = self._fence_for(agent_id, fence, stored_fence(current))
                 if new_fence is None:
@@ -194,7 +195,7 @@ class WritingBackend(BlockStore):
                         self._discard(agent_id, plan)
                     previous = self._reusable(guard, agent_id, current)
                     plan = self.plan_write(agent_id, cache, previous, namespace=namespace)
-                    linked = self._write_blocks(agent_id, plan)
+                    linked = self._write_new_blocks(agent_id, plan)
                 manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
                 if not self._watch_shared(guard, agent_id, manifest):
                     self._discard(agent_id, plan)
@@ -211,18 +212,17 @@ class WritingBackend(BlockStore):
             self._discard(agent_id, plan)
         raise StoreError(f"put of agent {agent_id!r} lost {attempts} races with other writers")
 
-    # --- the put's hooks: a guarded compare-and-swap of the manifest ----------------------------
-    def _put_attempts(self) -> Iterable[int]:
-        """Numbers 1, 2, ... of the tries of a swap (one where the guard is a lock: it never fails)."""
-        return range(1, 2)
+    def _write_new_blocks(self, agent_id: str, plan: WritePlan) -> list[NewBlock]:
+        """`_write_blocks`, and on failure (a full disk or Redis, a lost connection) removing what it
+        wrote, best effort: what is left is garbage the next put (disk) or its expiry (Redis) clears."""
+        try:
+            return self._write_blocks(agent_id, plan)
+        except self._io_errors():
+            with contextlib.suppress(*self._io_errors()):
+                self._discard(agent_id, plan)
+            raise
 
-    @abstractmethod
-    def _manifest_guard(self, agent_id: str) -> AbstractContextManager[tuple[Any, Blob | None]]:
-        """The compare-and-swap's guard over the agent's manifest, from reading it to swapping it (a
-        primitive: disk's flock, or Redis's optimistic WATCH that makes the swap fail if another writer
-        swapped first); yields what the hooks below take and the manifest as stored under it (no TTL
-        check: an expired cache still lends its fence and its blocks)."""
-
+    # --- the put's primitives: put-many and a guarded compare-and-swap of the manifest ---------
     def _reusable(self, guard: Any, agent_id: str, current: Blob | None) -> Manifest | None:
         """The current manifest if a put may build on it: intact, cut into values of this store's
         size (plan_write reuses nothing else) and with every block still stored."""
@@ -267,13 +267,9 @@ class WritingBackend(BlockStore):
         backend whose links hold their blocks, as disk's hard links do, needs no check)."""
         return True
 
-    def _collect_shared(self, released: Sequence[tuple[BlockRef, int]]) -> None:
-        """After the swap: delete the released shared blocks no user holds any more (none are left
-        where the swap itself collects them)."""
-        return None
-
     def _discard(self, agent_id: str, plan: WritePlan) -> None:
-        """Delete the new blocks of a plan that will not be swapped in (none where swaps never fail)."""
+        """Delete the new blocks of a plan that will not be swapped in (a no-op where they are garbage
+        the next put collects, as on disk under the agent's lock)."""
         return None
 
     def _count_put(self, plan: WritePlan, manifest_bytes: int, linked: Sequence[NewBlock] = ()) -> int:

@@ -200,10 +200,10 @@ class DiskStore(WritingBackend):
     # The put (WritingBackend._commit_put) under the agent's lock: the swap never fails, and the order
     # blocks (fsynced, renamed), then the manifest (renamed last), then garbage is what survives a crash.
     @contextlib.contextmanager
-    def _manifest_guard(self, agent_id: str) -> Iterator[tuple[None, Blob | None]]:
-        """The agent's lock, and its manifest read under it."""
-        with self._locked(agent_key(agent_id)):
-            yield None, _read_if_present(self._agent_dir(agent_id) / MANIFEST)
+    def _manifest_guard(self, handle: str) -> Iterator[tuple[None, Blob | None]]:
+        """The agent's lock (by its key), and its manifest read under it."""
+        with self._locked(handle):
+            yield None, _read_if_present(self._dir(handle) / MANIFEST)
 
     def _blocks_exist(self, guard: None, agent_id: str, refs: Sequence[BlockRef]) -> bool:
         """Every block file is there with its size (under the lock no writer removes one)."""
@@ -491,11 +491,12 @@ class DiskStore(WritingBackend):
     def _handle(self, agent_id: str) -> str:
         return agent_key(agent_id)
 
-    def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
-        with self._locked(handle):
-            if only_if is not None and _read_if_present(self._dir(handle) / MANIFEST) != only_if:
-                return False
-            return self._remove_locked(handle)
+    def _delete_manifest(
+        self, guard: None, handle: str, current: Blob | None
+    ) -> builtins.list[tuple[BlockRef, int]]:
+        """Under the agent's lock: the swap never fails, and its shared blocks are collected here."""
+        self._remove_locked(handle)
+        return []
 
     def _remove_locked(self, key: str) -> bool:
         directory = self._dir(key)

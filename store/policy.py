@@ -1,13 +1,40 @@
 """BlockStore: the store policy, written once over the primitives DiskStore and RedisStore supply.
 
-Here: the read path, cross-agent warm starts, delete, pins, info and list; prefix holds
-(store/prefix_holds.py) and byte budgets (store/budget.py) are mixed in, and the put (planning and
-a guarded compare-and-swap of the manifest) is store/commit.py's. A backend supplies primitives
-only, each saying why it is one: get (`_read_manifest`, `_fetch_blocks`, `_info_record`,
-`_find_versions`), put-many (`_write_blocks`), the manifest's compare-and-swap (`_manifest_guard`,
-`_blocks_exist`, `_swap_manifest`), delete (`_remove`), refcounts and holds (`_shared_users`,
-`_store_prefix`, `_touch_prefix`, `_prefix_entries`, `_drop_hold`), recency and TTL (`_touch`,
-`_set_pinned`) and what it holds (`_usage`, which `list` and the budget read).
+Here: the read path, cross-agent warm starts, delete (a compare-and-swap of the manifest to nothing),
+pins, info and list; prefix holds (store/prefix_holds.py) and byte budgets (store/budget.py) are mixed
+in, and the put (planning, writing, the guarded compare-and-swap) is store/commit.py's.
+
+The backend interface, every primitive a backend supplies, grouped as issue #41 names them. Each is
+I/O; the decisions, retries, counts and logs around it are the policy's:
+
+  get
+    _read_manifest(agent_id)              the manifest as stored; None if absent (or past the TTL)
+    _fetch_blocks(agent_id, manifest, refs)  blocks' blobs with their CRC-32 (agent None: shared area)
+    _find_versions(shares)                the stored version of each share key, None where none is
+    _info_record(agent_id)                the manifest, its last use and its pin, read together
+  put-many
+    _write_blocks(agent_id, plan)         a plan's new blocks, durable, not yet referenced
+    _discard(agent_id, plan)              delete the new blocks of a plan that is not swapped in
+  compare-and-swap of the manifest
+    _manifest_guard(handle)               the guard (a lock, a WATCH) and the manifest read under it
+    _swap_attempts()                      the tries of a guarded swap (one where the guard is a lock)
+    _blocks_exist(guard, agent_id, refs)  whether blocks the swap keeps are still stored
+    _watch_shared(guard, agent_id, manifest)  whether the shared blocks it links stay until the swap
+    _swap_manifest(guard, agent_id, ...)  the swap, dropping what only the replaced manifest used
+  delete
+    _delete_manifest(guard, handle, current)  the agent's manifest, blocks and references, atomically
+    _handle(agent_id)                     the key the guard, the delete and `_usage` name an agent by
+  refcounts
+    _collect_shared(released)             delete the released shared blocks nobody references
+    _shared_users(name)                   how many agents reference a shared block
+    _store_prefix(shares, encode, now)    the prefix hold on blocks, writing the ones not stored
+    _touch_prefix(blocks, now)            make held blocks the most recently used
+    _prefix_entries()                     every held block, with its agents' references
+    _drop_hold(entry)                     drop a prefix hold, and the block if then unreferenced
+  recency, pins, usage
+    _touch(agent_id, manifest)            record a use (LRU recency; a sliding TTL)
+    _set_pinned(agent_id, pinned)         set or clear the pin mark
+    _usage()                              every agent as the budget and `list` see it
 
 Reading is lock-free: a reader that finds a block gone re-reads the manifest, and if a newer
 generation replaced it meanwhile it simply reads again; only if the same manifest
@@ -19,6 +46,8 @@ from __future__ import annotations
 import builtins
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +66,7 @@ from store.errors import (
     NO_COMMON_PREFIX,
     UNEXPECTED,
     BadCacheError,
+    StoreError,
 )
 from store.manifest import (
     BlockRef,
@@ -81,8 +111,9 @@ class BlockStore(PrefixHolds, ByteBudget):
         round trip in Redis); None if absent (or expired)."""
 
     def _handle(self, agent_id: str) -> str:
-        """The handle `_remove` and `Usage` know the agent by: its id, unless the backend keys agents
-        otherwise (disk: a key that also names a damaged cache whose manifest no longer says its agent)."""
+        """The handle the guard, `_remove` and `Usage` know the agent by: its id, unless the backend keys
+        agents otherwise (disk: a key that also names a damaged cache whose manifest no longer says its
+        agent)."""
         return agent_id
 
     @abstractmethod
@@ -94,6 +125,49 @@ class BlockStore(PrefixHolds, ByteBudget):
         """Every agent the store holds and has not expired: what the budget sees (`_usage`), less the
         damaged caches that no longer name their agent."""
         return sorted(entry.agent_id for entry in self._usage() if entry.agent_id is not None)
+
+    # --- the compare-and-swap's guard, and delete as a swap to nothing --------------------------
+    def _swap_attempts(self) -> Iterable[int]:
+        """Numbers 1, 2, ... of the tries of a guarded swap (one where the guard is a lock: it never
+        fails); a backend whose guard is optimistic retries for as long as its race budget allows."""
+        return range(1, 2)
+
+    @abstractmethod
+    def _manifest_guard(self, handle: str) -> AbstractContextManager[tuple[Any, Blob | None]]:
+        """The compare-and-swap's guard over an agent's manifest (by its `_handle`), from reading it to
+        swapping it (a primitive: disk's flock, or Redis's optimistic WATCH that makes the swap fail if
+        another writer swapped first); yields what the swap takes and the manifest as stored under it
+        (no TTL check: an expired cache still lends its fence and its blocks)."""
+
+    @abstractmethod
+    def _delete_manifest(
+        self, guard: Any, handle: str, current: Blob | None
+    ) -> Sequence[tuple[BlockRef, int]] | None:
+        """delete, under the guard: the agent's manifest, its own blocks, its index entries and its
+        references on shared blocks, atomically (even where `current` is None: what a crash left);
+        None if another writer swapped first. Returns the shared blocks (with their part size) it
+        released that are still to collect. A primitive: a directory removal under the lock on disk,
+        one MULTI/EXEC in Redis."""
+
+    def _collect_shared(self, released: Sequence[tuple[BlockRef, int]]) -> None:
+        """After a swap or delete: delete the released shared blocks no user holds any more (none are
+        left where the swap itself collects them)."""
+        return None
+
+    def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
+        """delete: one agent's cache by its usage handle, by a guarded swap of its manifest to nothing;
+        False if it was already gone. With `only_if`, only while its manifest still holds exactly those
+        bytes (a damaged cache no writer replaced)."""
+        for _attempt in self._swap_attempts():
+            with self._manifest_guard(handle) as (guard, current):
+                if only_if is not None and (current is None or bytes(current) != only_if):
+                    return False
+                released = self._delete_manifest(guard, handle, current)
+                if released is None:
+                    continue  # another writer swapped first
+            self._collect_shared(released)
+            return current is not None
+        raise StoreError(f"delete of agent {handle!r} kept losing races with other writers")
 
     # --- the calls, written once over the primitives --------------------------------------------
     def delete(self, agent_id: str) -> bool:

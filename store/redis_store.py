@@ -169,10 +169,6 @@ class RedisStore(WritingBackend):
     def _touch(self, agent_id: str, manifest: Manifest) -> None:
         self.pins.touch(agent_id, manifest)
 
-    def _after_put(self, handle: str, nbytes: int) -> None:
-        self.pins.hold_if_pinned(handle)  # the commit gave every key ttl_s
-        super()._after_put(handle, nbytes)
-
     def _set_pinned(self, agent_id: str, pinned: bool) -> bool:
         return self.pins.pin(agent_id) if pinned else self.pins.unpin(agent_id)
 
@@ -243,16 +239,16 @@ class RedisStore(WritingBackend):
         """One commit of the put, as `_put_replicated` retries it (tests/fleet replace it to lose one)."""
         return self._commit_put(agent_id, cache, fence, namespace)
 
-    # --- the put's hooks (WritingBackend._commit_put): the guard is a WATCH on the manifest key --------
-    def _put_attempts(self) -> Iterator[int]:
+    # --- the compare-and-swap (WritingBackend._commit_put, BlockStore._remove): a WATCH on the manifest
+    def _swap_attempts(self) -> Iterator[int]:
         return race_attempts()
 
     @contextlib.contextmanager
-    def _manifest_guard(self, agent_id: str) -> Iterator[tuple[Any, Blob | None]]:
+    def _manifest_guard(self, handle: str) -> Iterator[tuple[Any, Blob | None]]:
         """A transaction pipeline with a WATCH on the manifest key, and the manifest read under it."""
         with self._client.pipeline(transaction=True) as tx:
-            tx.watch(self.keys.manifest(agent_id))
-            yield tx, as_blob(tx.get(self.keys.manifest(agent_id)))
+            tx.watch(self.keys.manifest(handle))
+            yield tx, as_blob(tx.get(self.keys.manifest(handle)))
 
     def _stored_blocks(
         self, agent_id: str, blob: Blob | None
@@ -306,19 +302,14 @@ class RedisStore(WritingBackend):
 
         Shared blocks some agent already stored are not sent at all (one pipelined EXISTS finds
         them); the rest are SET only where absent (NX): a stored version of the same bytes is never
-        overwritten or given an expiry again. On failure (Redis full, connection lost) remove what
-        was written, best effort: the provisional expiry covers the rest.
+        overwritten or given an expiry again. On failure the policy discards what was written, best
+        effort: the provisional expiry covers the rest.
         """
         linked = self._stored_shared(agent_id, plan.new_blocks)
         to_send = [block for block in plan.new_blocks if not any(block is stored for stored in linked)]
-        try:
-            replies = self._set_pending(
-                [(agent_id, block.name, block.encoded, block.share is not None) for block in to_send]
-            )
-        except RedisError:
-            with contextlib.suppress(RedisError):
-                self._discard(agent_id, plan)
-            raise
+        replies = self._set_pending(
+            [(agent_id, block.name, block.encoded, block.share is not None) for block in to_send]
+        )
         # A shared block all of whose values were there already (NX set none) was stored meanwhile.
         raced = {id(b) for b, sets in zip(to_send, replies, strict=True) if b.share and not any(sets)}
         return linked + [b for b in plan.new_blocks if id(b) in raced]
@@ -370,7 +361,8 @@ class RedisStore(WritingBackend):
         current: Blob | None,
     ) -> builtins.list[tuple[BlockRef, int]] | None:
         """One MULTI/EXEC: swap the manifest, settle block expiries, take references on its shared
-        blocks and drop those of the replaced manifest, delete the agent's replaced blocks, index.
+        blocks and drop those of the replaced manifest, delete the agent's replaced blocks, index; then,
+        with a TTL and pinned agents, lift the expiry the EXEC gave the keys pinned agents need.
         Returns the shared blocks it stopped using that are still to collect (none where Redis runs
         scripts: they are released inside the transaction)."""
         old_own, old_shared, old_part_bytes = self._stored_blocks(agent_id, current)
@@ -400,6 +392,7 @@ class RedisStore(WritingBackend):
             results = tx.execute()  # the EXEC
         except WatchError:
             return None  # another writer swapped the manifest meanwhile
+        self.pins.hold_if_pinned(agent_id)  # the commit gave every key ttl_s: spare what pins need
         return self.shared_blocks.left_to_collect(released, results, scripted)
 
     def _queue_usage(self, tx: Any, agent_id: str, own_bytes: int, links: Sequence[tuple[str, int]]) -> None:
@@ -533,34 +526,29 @@ class RedisStore(WritingBackend):
         return self.shared_blocks.release_hold(entry.name, entry.nbytes, entry.part_bytes)
 
     # --- delete, list, info, budgets -----------------------------------------------------------
-    def _remove(self, handle: str, only_if: bytes | None = None) -> bool:
-        """One MULTI/EXEC under a WATCH on the manifest key, retried while other writers win."""
-        mkey = self.keys.manifest(handle)
-        for _attempt in race_attempts():
-            with self._client.pipeline(transaction=True) as tx:
-                tx.watch(mkey)
-                blob = as_blob(tx.get(mkey))
-                if only_if is not None and (blob is None or bytes(blob) != only_if):
-                    return False
-                keys, shared, part_bytes = self._stored_blocks(handle, blob)
-                scripted = self.shared_blocks.supports_scripts()
-                tx.multi()
-                tx.unlink(mkey, *keys)
-                tx.zrem(self.keys.index, handle)
-                tx.hdel(self.keys.sizes, handle)
-                tx.hdel(self.keys.links, handle)
-                tx.srem(self.keys.pinned, handle)
-                released = [(ref, part_bytes) for ref in shared]
-                self.shared_blocks.queue_release(tx, handle, released, scripted)
-                try:
-                    results = tx.execute()  # the EXEC
-                except WatchError:
-                    continue
-            self._collect_shared(self.shared_blocks.left_to_collect(released, results, scripted))
-            if blob is not None and not keys and not shared:
-                self._sweep(handle)  # damaged manifest: find the agent's permanent blocks by pattern
-            return blob is not None
-        raise StoreError(f"delete of agent {handle!r} kept losing races with other writers")
+    def _delete_manifest(
+        self, tx: Any, handle: str, blob: Blob | None
+    ) -> builtins.list[tuple[BlockRef, int]] | None:
+        """One MULTI/EXEC under the guard's WATCH: the manifest and the agent's own values, its index,
+        sizes, links and pin, and its references on shared blocks (released by the script where Redis
+        runs one). A damaged manifest names no blocks: its committed ones are then swept by pattern."""
+        keys, shared, part_bytes = self._stored_blocks(handle, blob)
+        scripted = self.shared_blocks.supports_scripts()
+        tx.multi()
+        tx.unlink(self.keys.manifest(handle), *keys)
+        tx.zrem(self.keys.index, handle)
+        tx.hdel(self.keys.sizes, handle)
+        tx.hdel(self.keys.links, handle)
+        tx.srem(self.keys.pinned, handle)
+        released = [(ref, part_bytes) for ref in shared]
+        self.shared_blocks.queue_release(tx, handle, released, scripted)
+        try:
+            results = tx.execute()  # the EXEC
+        except WatchError:
+            return None
+        if blob is not None and not keys and not shared:
+            self._sweep(handle)  # damaged manifest: find the agent's permanent blocks by pattern
+        return self.shared_blocks.left_to_collect(released, results, scripted)
 
     def _sweep(self, agent_id: str) -> None:
         """Delete an agent's committed blocks (no pending expiry) when no manifest can list them."""

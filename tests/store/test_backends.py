@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import pytest
 
 from engine.core.errors import CacheMismatchError
 from engine.kv.quantized import dequantize_cache
+from store.commit import NewBlock, WritePlan
 from store.disk import MANIFEST, DiskStore
 from store.redis_store import RedisStore
 from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
@@ -143,6 +145,34 @@ def test_no_garbage_is_left_behind(backend_factory: Factory) -> None:
     assert _stored_block_count(store) == 1
     store.delete("a1")
     assert _stored_block_count(store) == 0
+
+
+def test_a_put_whose_block_writes_fail_keeps_the_cache_and_leaves_no_garbage(
+    backend_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put-many that fails once its blocks went out (a full store, a lost connection) fails the put;
+    the stored cache is untouched, and nothing the failed put wrote outlives the next put (Redis drops
+    it at once; disk's are garbage the next put collects under the agent's lock)."""
+    spec = tiny_spec()
+    store = backend_factory(spec)
+    first = make_cache(spec, tokens(20))  # a full (shared) block and a partial (own) one
+    store.put("a1", first)
+    write = store._write_blocks
+
+    def fails_after_writing(agent_id: str, plan: WritePlan) -> list[NewBlock]:
+        write(agent_id, plan)
+        raise OSError(errno.EIO, "the connection dropped after the blocks went out")
+
+    monkeypatch.setattr(store, "_write_blocks", fails_after_writing)
+    with pytest.raises(OSError, match="dropped"):
+        store.put("a1", make_cache(spec, tokens(60, seed=2)))
+    assert_same_cache(store.get("a1"), first)
+    if isinstance(store, RedisStore):
+        assert _stored_block_count(store) == 2
+    monkeypatch.undo()
+    store.put("a1", first)
+    assert _stored_block_count(store) == 2
+    assert_same_cache(store.get("a1"), first)
 
 
 def _stored_block_count(store: DiskStore | RedisStore) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from store import redis_store
+from store.backend import Blob
 from store.errors import StoreError
 from store.manifest import Manifest
 from store.redis_store import RedisStore, race_attempts
@@ -70,6 +71,29 @@ def test_a_put_that_loses_every_race_fails_after_its_budget_and_leaves_no_blocks
     assert manifest is not None
     stored = redis_value_keys(rival._client, rival.prefix)
     assert stored == set(rival.keys.of_refs(AGENT, manifest.blocks, manifest.part_bytes))  # ours were removed
+
+
+def test_a_delete_that_loses_a_race_deletes_what_the_winner_stored(
+    store_and_rival: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The delete is a guarded swap of the manifest to nothing: a put that commits between our WATCH
+    and EXEC aborts it, and the retry deletes the newer cache, its blocks and shared blocks too."""
+    store, rival = store_and_rival
+    assert rival.put(AGENT, make_cache(rival.spec, tokens(40)))
+    original = store._delete_manifest
+    swaps: list[object] = []
+
+    def rival_puts_first(tx: object, handle: str, current: Blob | None) -> object:
+        if not swaps:
+            assert rival.put(AGENT, make_cache(rival.spec, tokens(60, seed=2)))
+        swaps.append(original(tx, handle, current))
+        return swaps[-1]
+
+    monkeypatch.setattr(store, "_delete_manifest", rival_puts_first)
+    assert store.delete(AGENT) is True
+    assert len(swaps) == 2 and swaps[0] is None and swaps[1] is not None  # aborted, then deleted
+    assert rival.get(AGENT) is None and rival.list() == []
+    assert redis_value_keys(rival._client, rival.prefix) == set()
 
 
 def test_race_attempts_make_the_minimum_even_with_no_budget_then_stop() -> None:
