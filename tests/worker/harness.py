@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import fakeredis
 
-from producer.client import Producer
+from producer.client import JobHandle, Producer
+from producer.wire.protocol import StreamEvent, stream_key
 from tests.producer.fakes import fake_redis
 from tests.worker.fakes import DictStore, FakeEngine
 from worker.jobs.rqexec import KvrqWorker
@@ -61,3 +63,9 @@ class Harness:
 
     def all_ended(self, handles: list) -> Callable[[], bool]:  # type: ignore[type-arg]
         return lambda: all(s in ("finished", "failed", "canceled") for s in self.statuses(handles))
+
+
+def stored_events(h: Harness, handle: JobHandle) -> list[StreamEvent]:
+    """The job's whole stream as stored (a reader's `events()` stops at the first closing)."""
+    entries: Any = h.redis.xrange(stream_key(handle.id))
+    return [StreamEvent.from_fields(fields) for _, fields in entries]

@@ -17,19 +17,13 @@ from rq.serializers import JSONSerializer
 
 from producer.client import JobHandle
 from producer.wire.protocol import StreamEvent, stream_key
-from tests.worker.harness import Harness
+from tests.worker.harness import Harness, stored_events
 from worker.jobs import rqexec
 
 
 @pytest.fixture
 def h() -> Iterator[Harness]:
     yield Harness()
-
-
-def _events(h: Harness, handle: JobHandle) -> list[StreamEvent]:
-    """The job's whole stream as stored (a reader's `events()` stops at the first closing)."""
-    entries: Any = h.redis.xrange(stream_key(handle.id))
-    return [StreamEvent.from_fields(fields) for _, fields in entries]
 
 
 def _results(h: Harness, handle: JobHandle) -> int:
@@ -84,8 +78,8 @@ def test_a_failover_that_kept_the_streams_closing_but_dropped_the_rq_ending_clos
     h.run_until(lambda: bool(failovers) and not h.loop.ending and handle.status() == "finished")
     h.loop.run_once()  # the rewrite's own read-back: nothing more to redo
     assert h.loop.counts["endings_rewritten"] == 1
-    assert [e.kind for e in _events(h, handle)].count("end") == 1
-    assert _events(h, handle)[-1].kind == "end"
+    assert [e.kind for e in stored_events(h, handle)].count("end") == 1
+    assert stored_events(h, handle)[-1].kind == "end"
     assert _results(h, handle) == 1
     assert handle.result(timeout=1).text == "abc"
     assert h.loop.counts["finished"] == 1
@@ -107,10 +101,10 @@ def test_a_failover_that_kept_the_rq_ending_but_dropped_the_streams_closing_clos
         return True
 
     failovers = _failover_at_read_back(h, monkeypatch, drop_closing)
-    h.run_until(lambda: bool(failovers) and not h.loop.ending and _events(h, handle)[-1].final)
+    h.run_until(lambda: bool(failovers) and not h.loop.ending and stored_events(h, handle)[-1].final)
     h.loop.run_once()
     assert h.loop.counts["endings_rewritten"] == 1
-    assert [e.kind for e in _events(h, handle)] == ["start", "delta", "delta", "delta", "end"]
+    assert [e.kind for e in stored_events(h, handle)] == ["start", "delta", "delta", "delta", "end"]
     assert "".join(handle.stream(timeout=1)) == "abc"
     assert _results(h, handle) == 1
     assert handle.status() == "finished"
