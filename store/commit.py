@@ -187,18 +187,18 @@ class WritingBackend(BlockStore):
                 new_fence = self._fence_for(agent_id, fence, stored_fence(current))
                 if new_fence is None:
                     if plan is not None:
-                        self._discard(agent_id, plan)
+                        self._drop_plan(agent_id, plan)
                     return None
                 if plan is None or not self._blocks_exist(guard, agent_id, plan.kept):
                     # (Re)plan; a retry whose kept blocks still exist only needs the swap again.
                     if plan is not None:
-                        self._discard(agent_id, plan)
+                        self._drop_plan(agent_id, plan)
                     previous = self._reusable(guard, agent_id, current)
                     plan = self.plan_write(agent_id, cache, previous, namespace=namespace)
                     linked = self._write_new_blocks(agent_id, plan)
                 manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
                 if not self._watch_shared(guard, agent_id, manifest):
-                    self._discard(agent_id, plan)
+                    self._drop_plan(agent_id, plan)
                     plan = None  # a shared block it links was collected meanwhile: plan again
                     continue
                 manifest_blob = encode_manifest(manifest)
@@ -209,7 +209,7 @@ class WritingBackend(BlockStore):
             self._after_put(self._handle(agent_id), self._count_put(plan, len(manifest_blob), linked))
             return manifest_blob
         if plan is not None:
-            self._discard(agent_id, plan)
+            self._drop_plan(agent_id, plan)
         raise StoreError(f"put of agent {agent_id!r} lost {attempts} races with other writers")
 
     def _write_new_blocks(self, agent_id: str, plan: WritePlan) -> list[NewBlock]:
@@ -219,7 +219,7 @@ class WritingBackend(BlockStore):
             return self._write_blocks(agent_id, plan)
         except self._io_errors():
             with contextlib.suppress(*self._io_errors()):
-                self._discard(agent_id, plan)
+                self._drop_plan(agent_id, plan)
             raise
 
     # --- the put's primitives: put-many and a guarded compare-and-swap of the manifest ---------
@@ -267,9 +267,16 @@ class WritingBackend(BlockStore):
         backend whose links hold their blocks, as disk's hard links do, needs no check)."""
         return True
 
-    def _discard(self, agent_id: str, plan: WritePlan) -> None:
-        """Delete the new blocks of a plan that will not be swapped in (a no-op where they are garbage
-        the next put collects, as on disk under the agent's lock)."""
+    def _drop_plan(self, agent_id: str, plan: WritePlan) -> None:
+        """A plan that will not be swapped in: its own new blocks go (`_discard`), and its new shared
+        ones unless an agent references them (a writer about to adopt one finds it gone and writes it
+        again)."""
+        self._discard(agent_id, [block for block in plan.new_blocks if block.share is None])
+        self._collect_shared([(block.ref(), self.part_bytes) for block in plan.new_blocks if block.share])
+
+    def _discard(self, agent_id: str, blocks: Sequence[NewBlock]) -> None:
+        """Delete these new blocks of the agent's, which no manifest references (a no-op where they are
+        garbage the next put collects, as on disk under the agent's lock)."""
         return None
 
     def _count_put(self, plan: WritePlan, manifest_bytes: int, linked: Sequence[NewBlock] = ()) -> int:

@@ -51,7 +51,7 @@ from store.manifest import (
     shared_name,
     summarize_manifest,
 )
-from store.prefix_holds import PrefixEntry, PrefixWrite, prefix_recency
+from store.prefix_holds import PrefixEntry, PrefixWrite
 
 MARKER = "kvrq-store.json"
 if TYPE_CHECKING:
@@ -368,20 +368,19 @@ class DiskStore(WritingBackend):
         return self._prefixes / name[:2] / f"{name}{_SUFFIX}"
 
     def _store_prefix(
-        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
+        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], when: Sequence[float]
     ) -> PrefixWrite:
         """Per block: hard-link the stored version into `prefixes/` (a lookup and a link), or write it
         there and publish it to `shared/`. Links never replace a file, so concurrent writers of one
         block keep one copy; the link count keeps counting references."""
         held = written = nbytes = 0
-        for index, share in enumerate(shares):
-            when = prefix_recency(now, index)
+        for index, (share, used) in enumerate(zip(shares, when, strict=True)):
             version = self._version(share)
-            if version is not None and self._hold(version[0], when):
+            if version is not None and self._hold(version[0], used):
                 held += 1
                 continue
             block = encode(index)
-            if self._write_hold(shared_name(share, block.crc32), block, when):
+            if self._write_hold(shared_name(share, block.crc32), block, used):
                 written += 1
                 nbytes += block.nbytes
             else:
@@ -433,9 +432,9 @@ class DiskStore(WritingBackend):
                 os.link(hold, target)
         return wrote
 
-    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
-        for index, (name, _nbytes) in enumerate(blocks):
-            _set_mtime(self._hold_path(name), prefix_recency(now, index))
+    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], when: Sequence[float]) -> None:
+        for (name, _nbytes), used in zip(blocks, when, strict=True):
+            _set_mtime(self._hold_path(name), used)
 
     def _prefix_entries(self) -> list[PrefixEntry]:
         entries = []

@@ -14,7 +14,7 @@ I/O; the decisions, retries, counts and logs around it are the policy's:
     _info_record(agent_id)                the manifest, its last use and its pin, read together
   put-many
     _write_blocks(agent_id, plan)         a plan's new blocks, durable, not yet referenced
-    _discard(agent_id, plan)              delete the new blocks of a plan that is not swapped in
+    _discard(agent_id, blocks)            delete own new blocks of a plan that is not swapped in
   compare-and-swap of the manifest
     _manifest_guard(handle)               the guard (a lock, a WATCH) and the manifest read under it
     _swap_attempts()                      the tries of a guarded swap (one where the guard is a lock)
@@ -27,8 +27,8 @@ I/O; the decisions, retries, counts and logs around it are the policy's:
   refcounts
     _collect_shared(released)             delete the released shared blocks nobody references
     _shared_users(name)                   how many agents reference a shared block
-    _store_prefix(shares, encode, now)    the prefix hold on blocks, writing the ones not stored
-    _touch_prefix(blocks, now)            make held blocks the most recently used
+    _store_prefix(shares, encode, when)   the prefix hold on blocks, writing the ones not stored
+    _touch_prefix(blocks, when)           record held blocks' last use
     _prefix_entries()                     every held block, with its agents' references
     _drop_hold(entry)                     drop a prefix hold, and the block if then unreferenced
   recency, pins, usage

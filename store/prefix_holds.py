@@ -1,9 +1,11 @@
 """Anonymous prefixes: full blocks held without an agent, for later jobs of the namespace, under their own
 LRU byte budget (`prefix_max_bytes`).
 
-Written once for the backends that store caches (BlockStore mixes it in). A hold is one more reference
-on a shared block; a backend supplies the hold itself (`_store_prefix`, `_touch_prefix`,
-`_drop_hold`), what is held (`_prefix_entries`) and a block's reference count (`_shared_users`).
+Written once for the backends that store caches (BlockStore mixes it in): which blocks a prefix is,
+the recency each block of a run records, what a put or a hit counts, and which held blocks the budget
+evicts. A hold is one more reference on a shared block; a backend supplies the hold itself
+(`_store_prefix`, `_touch_prefix`, `_drop_hold`), what is held (`_prefix_entries`) and a block's
+reference count (`_shared_users`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ _DEPTH_STEP_S = 1e-6
 PREFIX_LABEL = "(prefix)"  # stands for the agent id in logs of anonymous prefix reads
 
 
-def prefix_recency(now: float, depth: int) -> float:
-    """The last-used time recorded for the block at `depth` of a prefix touched at `now`."""
-    return now - depth * _DEPTH_STEP_S
+def prefix_times(now: float, count: int) -> list[float]:
+    """The last-used time recorded for each of the `count` blocks of a prefix touched at `now`."""
+    return [now - depth * _DEPTH_STEP_S for depth in range(count)]
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class PrefixHolds(BlockBackend):
             return None
         cache, refs = found
         try:
-            self._touch_prefix([(ref.name, ref.nbytes) for ref in refs], time.time())
+            self._touch_prefix([(ref.name, ref.nbytes) for ref in refs], prefix_times(time.time(), len(refs)))
         except self._io_errors() as exc:  # the blocks are good: only their recency is stale
             log.debug("%s: could not record the use of a prefix: %r", self.kind, exc)
         self._stats.add("prefix_hits")
@@ -112,7 +114,7 @@ class PrefixHolds(BlockBackend):
         def encode(index: int) -> EncodedBlock:
             return encode_block(cache.blocks[index], self.spec, self.quantization, self.group_size)
 
-        done = self._store_prefix(shares, encode, time.time())
+        done = self._store_prefix(shares, encode, prefix_times(time.time(), len(shares)))
         self._stats.add("prefix_puts")
         self._stats.add("prefix_blocks_held", done.held)
         self._stats.add("prefix_blocks_written", done.written)
@@ -122,18 +124,18 @@ class PrefixHolds(BlockBackend):
 
     @abstractmethod
     def _store_prefix(
-        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
+        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], when: Sequence[float]
     ) -> PrefixWrite:
-        """Hold the shared block of each share key (in order, block i recorded at prefix_recency(now, i)):
-        a stored version is held as it is, the others are `encode(i)`d and written first. A primitive:
+        """Hold the shared block of each share key, recording `when[i]` as block i's last use: a stored
+        version is held as it is, the others are `encode(i)`d and written first. A primitive:
         its atomic step is a hard link that never replaces on disk, a WATCHed MULTI/EXEC over every
         block's values in Redis (a block collected meanwhile is written again)."""
 
     @abstractmethod
-    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
-        """Make these (name, bytes) blocks, a run from the start, the most recently used prefix blocks
-        (where the prefix budget holds them). A primitive: the holds' mtimes on disk, their scores
-        and TTLs in Redis."""
+    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], when: Sequence[float]) -> None:
+        """Record `when[i]` as the last use of each (name, bytes) block, a run from the start (where
+        the prefix budget holds them). A primitive: the holds' mtimes on disk, their scores and TTLs
+        in Redis."""
 
     @abstractmethod
     def _prefix_entries(self) -> list[PrefixEntry]:

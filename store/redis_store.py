@@ -56,7 +56,7 @@ from store.manifest import (
     stored_fence,
     summarize_manifest,
 )
-from store.prefix_holds import PrefixEntry, PrefixWrite, prefix_recency
+from store.prefix_holds import PrefixEntry, PrefixWrite
 from store.redis_keys import (
     RedisKeys,
     as_blob,
@@ -411,18 +411,15 @@ class RedisStore(WritingBackend):
     def collect_shared_garbage(self) -> int:
         return self.shared_blocks.collect_garbage()
 
-    def _discard(self, agent_id: str, plan: WritePlan) -> None:
-        """Delete the new blocks of a plan that will not be committed: the agent's own ones, and the
-        shared ones no agent references (a writer about to adopt one finds it gone and rewrites it)."""
+    def _discard(self, agent_id: str, blocks: Sequence[NewBlock]) -> None:
+        """UNLINK the values of the agent's own blocks of a plan that will not be committed."""
         keys = [
             key
-            for block in plan.new_blocks
-            if block.share is None
+            for block in blocks
             for key in self.keys.parts(agent_id, block.name, block.encoded.nbytes, self.part_bytes)
         ]
         if keys:
             self._client.unlink(*keys)
-        self._collect_shared([(block.ref(), self.part_bytes) for block in plan.new_blocks if block.share])
 
     # --- shared blocks of other agents ---------------------------------------------------------
     def _find_versions(self, shares: Sequence[str]) -> builtins.list[tuple[str, int, int] | None]:
@@ -434,7 +431,7 @@ class RedisStore(WritingBackend):
 
     # --- anonymous prefixes --------------------------------------------------------------------
     def _store_prefix(
-        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], now: float
+        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], when: Sequence[float]
     ) -> PrefixWrite:
         """Find each share key's stored version (one pipelined GET of the pointers), write the missing
         blocks (SET NX on the provisional expiry), then one MULTI/EXEC, guarded by WATCH on every value,
@@ -467,7 +464,7 @@ class RedisStore(WritingBackend):
                 tx.multi()
                 for index, (name, nbytes, crc) in enumerate(blocks):
                     self.shared_blocks.queue_prefix_hold(tx, name, nbytes, crc, keys[index], index in encoded)
-                    tx.zadd(self.keys.prefixes, {name: prefix_recency(now, index)})
+                    tx.zadd(self.keys.prefixes, {name: when[index]})
                     tx.hset(self.keys.prefix_sizes, name, f"{nbytes}:{self.part_bytes}")
                 try:
                     tx.execute()
@@ -486,10 +483,10 @@ class RedisStore(WritingBackend):
         counts = pipe.execute()
         return [i for i, (block_keys, n) in enumerate(zip(keys, counts, strict=True)) if n != len(block_keys)]
 
-    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], now: float) -> None:
+    def _touch_prefix(self, blocks: Sequence[tuple[str, int]], when: Sequence[float]) -> None:
         pipe = self._client.pipeline(transaction=False)
         pipe.zadd(
-            self.keys.prefixes, {name: prefix_recency(now, i) for i, (name, _) in enumerate(blocks)}, xx=True
+            self.keys.prefixes, {name: used for (name, _), used in zip(blocks, when, strict=True)}, xx=True
         )
         if self.ttl_s is not None:  # like an agent's: the prefix lives ttl_s past its last use
             for name, nbytes in blocks:
