@@ -4,8 +4,8 @@ swap the manifest in by a guarded compare-and-swap under the fence.
 WritingBackend is the base of the backends that store blocks themselves (DiskStore, RedisStore) and
 supplies their `_write`; they supply its primitives (store/policy.py lists them all): put-many
 (`_write_blocks`, `_discard`) and the manifest's compare-and-swap (`_manifest_guard` and
-`_swap_attempts`, which the delete shares, `_blocks_exist`, `_watch_shared`, `_swap_manifest`). A
-store that routes each put to another store (ShardedStore) is a plain BlockBackend and has none of them.
+`_swap_attempts`, which the delete shares, `_blocks_exist`, `_swap_manifest`). A store that routes
+each put to another store (ShardedStore) is a plain BlockBackend and has none of them.
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ class WritePlan:
     @property
     def reused(self) -> int:
         return sum(1 for slot in self.slots if isinstance(slot, BlockRef))
+
+    @property
+    def new_shared(self) -> list[BlockRef]:
+        """The shared blocks this plan writes or links: the agent does not reference them yet."""
+        return [slot.ref() for slot in self.new_blocks if slot.share is not None]
 
     @property
     def kept(self) -> list[BlockRef]:
@@ -196,11 +201,13 @@ class WritingBackend(BlockStore):
                     previous = self._reusable(guard, agent_id, current)
                     plan = self.plan_write(agent_id, cache, previous, namespace=namespace)
                     linked = self._write_new_blocks(agent_id, plan)
-                manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
-                if not self._watch_shared(guard, agent_id, manifest):
+                # Blocks the agent does not reference yet: another agent's commit may collect a shared
+                # one (the blocks it keeps were checked, and are held until the swap, above).
+                if not self._blocks_exist(guard, agent_id, plan.new_shared):
                     self._drop_plan(agent_id, plan)
                     plan = None  # a shared block it links was collected meanwhile: plan again
                     continue
+                manifest = dataclasses.replace(plan.manifest(), fence=new_fence)
                 manifest_blob = encode_manifest(manifest)
                 released = self._swap_manifest(guard, agent_id, plan, manifest, manifest_blob, current)
                 if released is None:
@@ -238,8 +245,11 @@ class WritingBackend(BlockStore):
 
     @abstractmethod
     def _blocks_exist(self, guard: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
-        """Whether these blocks of the agent are all stored (under a WATCH they then survive until the
-        swap, since only commits, which touch the watched manifest, delete committed blocks)."""
+        """Whether these blocks of the agent (its own, or shared) are all stored, and then held so
+        under the guard until the swap. A primitive: on disk the agent's lock and the hard links in its
+        directory hold them (a stat checks each), in Redis a WATCH on their values aborts the swap if
+        one goes (an agent's own blocks and those it references only go in commits, which touch the
+        watched manifest; a shared block it is about to link, in another agent's commit)."""
 
     @abstractmethod
     def _write_blocks(self, agent_id: str, plan: WritePlan) -> list[NewBlock]:
@@ -261,11 +271,6 @@ class WritingBackend(BlockStore):
         atomically; None if another writer swapped first. Returns the shared blocks (with their part
         size) it released that are still to collect. A primitive: the rename under the agent's lock on
         disk, one MULTI/EXEC (refcounts and index included) in Redis."""
-
-    def _watch_shared(self, guard: Any, agent_id: str, manifest: Manifest) -> bool:
-        """Whether the shared blocks the manifest links are all stored, kept so until the swap (a
-        backend whose links hold their blocks, as disk's hard links do, needs no check)."""
-        return True
 
     def _drop_plan(self, agent_id: str, plan: WritePlan) -> None:
         """A plan that will not be swapped in: its own new blocks go (`_discard`), and its new shared

@@ -18,8 +18,7 @@ I/O; the decisions, retries, counts and logs around it are the policy's:
   compare-and-swap of the manifest
     _manifest_guard(handle)               the guard (a lock, a WATCH) and the manifest read under it
     _swap_attempts()                      the tries of a guarded swap (one where the guard is a lock)
-    _blocks_exist(guard, agent_id, refs)  whether blocks the swap keeps are still stored
-    _watch_shared(guard, agent_id, manifest)  whether the shared blocks it links stay until the swap
+    _blocks_exist(guard, agent_id, refs)  whether blocks the swap keeps or links are stored, held so
     _swap_manifest(guard, agent_id, ...)  the swap, dropping what only the replaced manifest used
   delete
     _delete_manifest(guard, handle, current)  the agent's manifest, blocks and references, atomically

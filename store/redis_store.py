@@ -274,24 +274,15 @@ class RedisStore(WritingBackend):
         ]
         return own, shared, summary.part_bytes
 
-    def _watch_shared(self, tx: Any, agent_id: str, manifest: Manifest) -> bool:
-        """WATCH the values of the shared blocks the manifest uses and check they all exist.
-
-        Other agents' commits may collect a shared block without touching our manifest; watched,
-        it cannot go between this check and our EXEC without aborting it.
-        """
-        shared = [ref for ref in manifest.blocks if parse_shared_name(ref.name)]
-        if not shared:
+    def _blocks_exist(self, tx: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
+        """WATCH every value of these blocks, then check they all exist: from then on none can go
+        before the EXEC without aborting it (another agent's commit may collect a shared block
+        without touching our manifest)."""
+        keys = self.keys.of_refs(agent_id, refs, self.part_bytes)
+        if not keys:
             return True
-        keys = self.keys.of_refs(agent_id, shared, manifest.part_bytes)
         tx.watch(*keys)
         return bool(tx.exists(*keys) == len(keys))
-
-    def _blocks_exist(self, tx: Any, agent_id: str, refs: Sequence[BlockRef]) -> bool:
-        """Whether every value of these blocks exists; under WATCH they then survive until EXEC
-        (only commits, which touch the watched manifest, delete committed blocks)."""
-        keys = self.keys.of_refs(agent_id, refs, self.part_bytes)
-        return not keys or tx.exists(*keys) == len(keys)
 
     def _value(self, parts: Sequence[bytes | memoryview]) -> Any:
         """What redis-py is handed as a value (a ScatterValue only reaches our own packer)."""

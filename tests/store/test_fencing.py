@@ -15,7 +15,7 @@ import pytest
 
 from store.backend import BlockBackend
 from store.disk import MANIFEST, DiskStore
-from store.manifest import Manifest, _metadata_checksum, encode_manifest
+from store.manifest import _metadata_checksum, encode_manifest
 from store.redis_store import RedisStore
 from store.stfile import encode, parse_header, view
 from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tiny_spec, tokens
@@ -210,10 +210,10 @@ def test_a_fence_lost_on_a_retry_after_writing_blocks_leaks_no_value(
     ours: set[str] = set()
     ours_values: set[str] = set()
     after_rival: set[str] = set()
-    checks: list[bool] = []
-    original = store._watch_shared
+    swaps: list[object] = []
+    original = store._swap_manifest
 
-    def rival_commits_first(tx: object, agent_id: str, manifest: Manifest) -> bool:
+    def rival_commits_first(tx: object, agent_id: str, *args: Any) -> object:
         nonlocal ours, after_rival
         if not ours:
             ours = _every_key(store) - before_put  # what our put wrote before its EXEC
@@ -221,14 +221,14 @@ def test_a_fence_lost_on_a_retry_after_writing_blocks_leaks_no_value(
             newer = make_cache(rival.spec, base + tokens(10, seed=2))  # keeps the blocks our put kept too
             assert rival.put(AGENT, newer, fence=2)
             after_rival = _every_key(store)
-        checks.append(original(tx, agent_id, manifest))
-        return checks[-1]
+        swaps.append(original(tx, agent_id, *args))
+        return swaps[-1]
 
-    monkeypatch.setattr(store, "_watch_shared", rival_commits_first)
+    monkeypatch.setattr(store, "_swap_manifest", rival_commits_first)
     # The 2 full blocks of the stored 40 tokens kept; 4 full (shared) blocks and a partial (own) one written.
     assert store.put(AGENT, make_cache(store.spec, base + tokens(60, seed=3)), fence=1) is False
-    # The put went on to its EXEC, which aborted (not replanned), and lost the fence on its retry.
-    assert checks == [True]
+    # The put went on to its EXEC, which aborted (None), and lost the fence on its retry, before a swap.
+    assert swaps == [None]
     assert store.stats()["stale_puts"] == 1 and store.stats()["put_retries"] == 1
     assert len(ours) == 5 and ours_values == ours  # the path under test: blocks written, then the fence lost
     assert any(":b:" in key for key in ours) and any(f"{store.prefix}s:" in key for key in ours)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from store import redis_store
 from store.backend import Blob
 from store.errors import StoreError
-from store.manifest import Manifest
 from store.redis_store import RedisStore, race_attempts
 from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tokens
 
@@ -27,17 +27,17 @@ def _rival_commits_first(
 ) -> Callable[[], int]:
     """Make the rival put (a new cache each time) inside our next `times` attempts (None: every one);
     returns a count of the rival's puts."""
-    original = store._watch_shared
+    original = store._swap_manifest
     puts = 0
 
-    def rival_put_then_check(tx: object, agent_id: str, manifest: Manifest) -> bool:
+    def rival_put_then_swap(tx: object, agent_id: str, *args: Any) -> object:
         nonlocal puts
         if times is None or puts < times:
             puts += 1
             assert rival.put(AGENT, make_cache(rival.spec, tokens(20 + puts, seed=puts)))
-        return original(tx, agent_id, manifest)
+        return original(tx, agent_id, *args)
 
-    monkeypatch.setattr(store, "_watch_shared", rival_put_then_check)
+    monkeypatch.setattr(store, "_swap_manifest", rival_put_then_swap)
     return lambda: puts
 
 
