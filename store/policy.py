@@ -4,8 +4,10 @@ Here: the read path, cross-agent warm starts, delete (a compare-and-swap of the 
 pins, info and list; prefix holds (store/prefix_holds.py) and byte budgets (store/budget.py) are mixed
 in, and the put (planning, writing, the guarded compare-and-swap) is store/commit.py's.
 
-The backend interface, every primitive a backend supplies, grouped as issue #41 names them. Each is
-I/O; the decisions, retries, counts and logs around it are the policy's:
+The backend interface, every primitive a backend supplies, grouped as issue #41 names them. The
+decisions, retries, counts and logs around them are the policy's, except inside `_store_prefix`, which
+each backend still runs as its own loop (look up, write what is missing, hold, write again what was
+collected meanwhile):
 
   get
     _read_manifest(agent_id)              the manifest as stored; None if absent (or past the TTL)
