@@ -237,9 +237,11 @@ def serve(
     except OSError as exc:
         print(f"kvrq dashboard: cannot listen on {bind}:{port}: {exc.strerror}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    print(f"rq-dashboard on http://{bind}:{server.port} for {redact_url(redis_url)}", flush=True)
     try:
+        # Inside the try: a SIGTERM right after the line (a supervisor that waited for it) stops it
+        # cleanly too, not as an interrupted command (130).
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        print(f"rq-dashboard on http://{bind}:{server.port} for {redact_url(redis_url)}", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
