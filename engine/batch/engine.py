@@ -12,6 +12,7 @@ come a few steps after its last token, and has_work() stays true until it has).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,6 +79,9 @@ class _Cut:
     reason: FinishReason
     kv: FinishedKV
     blocks: Future[AgentCache]
+
+
+log = logging.getLogger("kvrq.engine")
 
 
 class BlockPoolBatchEngine:
@@ -176,6 +180,12 @@ class BlockPoolBatchEngine:
         self.drafter: Drafter = PromptLookup()
         if draft_model is not None:
             self.drafter = DraftModel(draft_model, self.vocab_size)
+            log.info(  # what an operator needs to see whether it can ever pay (docs/worker.md)
+                "draft model %s: %.2f ms a guessed token, %.3f ms a context token read",
+                type(draft_model).__module__,
+                self.drafter.token_s * 1000,
+                self.drafter.prompt_token_s * 1000,
+            )
         if speculation is None:
             speculation = draft_model is not None or switch("KVRQ_SPECULATION", default=SPECULATION_DEFAULT)
         self.speculation: Speculation | None = None

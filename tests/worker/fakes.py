@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine.batch.speculation import SpeculationStats
 from engine.core.admission import Admission
 from engine.core.blocks import AgentCache, BlockPool, common_prefix_length
 from engine.core.errors import InvalidRequestError
@@ -77,12 +78,13 @@ class FakeEngine:
         self.max_active = 0
         self.reserved: list[tuple[int, int]] = []  # reserve() calls, in order
         self.kept_ready: list[list[int]] = []  # keep_ready() calls
+        self.drafting: SpeculationStats | None = None  # speculation off
 
     def free_slots(self) -> int:
         return self.max_batch - len(self._seqs)
 
-    def speculation_stats(self) -> None:
-        return None
+    def speculation_stats(self) -> SpeculationStats | None:
+        return self.drafting
 
     def keep_ready(self, n_tokens: Sequence[int]) -> int:
         self.kept_ready.append(list(n_tokens))

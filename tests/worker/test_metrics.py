@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
+from engine.batch.speculation import SpeculationStats
 from tests.conftest import free_port
 from tests.worker.harness import Harness
 from worker.fleet.metrics import serve_metrics
@@ -31,6 +32,21 @@ def test_metrics_export_jobs_tokens_cache_and_queues() -> None:
     assert f"kvrq_cache_lookups_total{{{me}}}" in text and "kvrq_queue_depth" in text
     assert f"kvrq_draft_tokens_total{{{me}}} 0.0" in text, "speculation off: counted as none"
     assert queued.status() in ("queued", "started", "finished")
+
+
+def test_metrics_export_the_engines_drafting_counts() -> None:
+    h = Harness()
+    h.loop.engine.drafting = SpeculationStats(steps=3, proposed=12, accepted=7)  # type: ignore[attr-defined]
+    port = free_port()
+    server = serve_metrics(h.loop, port)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        server.shutdown()
+    me = f'worker="{h.loop.worker.name}"'
+    assert f"kvrq_drafting_steps_total{{{me}}} 3.0" in text
+    assert f"kvrq_draft_tokens_total{{{me}}} 12.0" in text
+    assert f"kvrq_accepted_draft_tokens_total{{{me}}} 7.0" in text
 
 
 def test_the_worker_serves_no_metrics_unless_asked() -> None:
