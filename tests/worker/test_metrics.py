@@ -17,13 +17,8 @@ def test_metrics_export_jobs_tokens_cache_and_queues() -> None:
     ]
     queued = h.producer.submit({"prompt": "later", "max_tokens": 2})
     h.run_until(h.all_ended(handles))
-    port = free_port()
-    server = serve_metrics(h.loop, port)
-    try:
-        assert server.server_address[0] == "127.0.0.1"
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    finally:
-        server.shutdown()
+    host, text = scrape(h)
+    assert host == "127.0.0.1"
     me = f'worker="{h.loop.worker.name}"'
     assert f'kvrq_jobs_total{{outcome="finished",{me}}} {float(h.loop.counts["finished"])}' in text
     assert h.loop.counts["finished"] >= 2
@@ -37,12 +32,7 @@ def test_metrics_export_jobs_tokens_cache_and_queues() -> None:
 def test_metrics_export_the_engines_drafting_counts() -> None:
     h = Harness()
     h.loop.engine.drafting = SpeculationStats(steps=3, proposed=12, accepted=7)  # type: ignore[attr-defined]
-    port = free_port()
-    server = serve_metrics(h.loop, port)
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    finally:
-        server.shutdown()
+    _, text = scrape(h)
     me = f'worker="{h.loop.worker.name}"'
     assert f"kvrq_drafting_steps_total{{{me}}} 3.0" in text
     assert f"kvrq_draft_tokens_total{{{me}}} 12.0" in text
@@ -60,12 +50,7 @@ def test_metrics_export_per_job_latency_histograms_by_outcome_and_cache() -> Non
     second = h.producer.submit({"agent_id": "A", "prompt": "hi there", "max_tokens": 3})
     plain = h.producer.submit({"prompt": "no agent", "max_tokens": 2})
     h.run_until(h.all_ended([second, plain]))
-    port = free_port()
-    server = serve_metrics(h.loop, port)
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    finally:
-        server.shutdown()
+    _, text = scrape(h)
     me = f'worker="{h.loop.worker.name}"'
     for name in (
         "kvrq_job_queue_wait_seconds",
@@ -78,3 +63,14 @@ def test_metrics_export_per_job_latency_histograms_by_outcome_and_cache() -> Non
         assert f'{name}_bucket{{cache="none",le="+Inf",outcome="finished",{me}}} 1.0' in text
     assert 'kvrq_job_cache_load_seconds_count{cache="hit",outcome="finished"' in text
     assert 'kvrq_job_cache_load_seconds_count{cache="none"' not in text  # no agent: no cache to load
+
+
+def scrape(h: Harness) -> tuple[str, str]:
+    """The address the metrics endpoint bound, and one scrape of it."""
+    port = free_port()
+    server = serve_metrics(h.loop, port)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return str(server.server_address[0]), text
+    finally:
+        server.shutdown()
