@@ -9,8 +9,10 @@ each call to the BlockStore that holds the agent.
 from __future__ import annotations
 
 import builtins
+import random
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from engine.core.blocks import AgentCache
@@ -28,6 +30,12 @@ DEFAULT_NAMESPACE = "default"
 # Anonymous prefixes (get_prefix / put_prefix) are held under their own budget: by default a quarter of
 # the store's max_bytes, or this much in a store without one; 0 turns them off.
 DEFAULT_PREFIX_BYTES = 1024 * 1024 * 1024
+# A put, delete or prefix hold that keeps losing its transaction to other writers retries, after a random
+# pause that doubles up to RACE_PAUSE_CAP_S (full jitter: tight-looping writers fall out of step),
+# until RACE_BUDGET_S is spent and at least RACE_MIN_ATTEMPTS were made; then it raises StoreError.
+RACE_BUDGET_S = 10.0
+RACE_MIN_ATTEMPTS = 8
+RACE_PAUSE_CAP_S = 0.05
 
 
 class BackendOptions(TypedDict, total=False):
@@ -180,3 +188,18 @@ class BlockBackend(ABC):
     def close(self) -> None:
         """Release the backend's connections (nothing to release where every put is durable on return)."""
         return None
+
+
+def race_attempts(budget_s: float | None = None) -> Iterator[int]:
+    """Numbers 1, 2, ... for the attempts of an optimistic transaction (a WATCH in Redis; on disk, a
+    prefix hold on a block collected meanwhile), pausing before each retry; ends once the budget is
+    spent and RACE_MIN_ATTEMPTS were made. A budget in time, not in attempts, because how often a
+    writer loses depends on how busy the machine is, not on the writer."""
+    deadline = time.monotonic() + (RACE_BUDGET_S if budget_s is None else budget_s)
+    attempt = 1
+    while True:
+        yield attempt
+        if attempt >= RACE_MIN_ATTEMPTS and time.monotonic() >= deadline:
+            return
+        time.sleep(random.uniform(0, min(RACE_PAUSE_CAP_S, 0.001 * 2**attempt)))
+        attempt += 1

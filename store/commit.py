@@ -3,9 +3,10 @@ swap the manifest in by a guarded compare-and-swap under the fence.
 
 WritingBackend is the base of the backends that store blocks themselves (DiskStore, RedisStore) and
 supplies their `_write`; they supply its primitives (store/policy.py lists them all): put-many
-(`_write_blocks`, `_discard`) and the manifest's compare-and-swap (`_manifest_guard` and
-`_swap_attempts`, which the delete shares, `_blocks_exist`, `_swap_manifest`). A store that routes
-each put to another store (ShardedStore) is a plain BlockBackend and has none of them.
+(`_write_blocks`, `_discard`) and the manifest's compare-and-swap (`_manifest_guard`, which the
+delete shares, `_blocks_exist`, `_swap_manifest`), retried while `race_attempts` allow (a swap under
+disk's lock fails only where a block it links was collected meanwhile: it is planned again). A store
+that routes each put to another store (ShardedStore) is a plain BlockBackend and has none of them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from engine.core.blocks import AgentCache
-from store.backend import Blob
+from store.backend import Blob, race_attempts
 from store.base import log
 from store.block_codec import EncodedBlock, encode_block
 from store.errors import BadCacheError, StoreError
@@ -184,7 +185,7 @@ class WritingBackend(BlockStore):
         plan: WritePlan | None = None
         linked: list[NewBlock] = []
         attempts = 0
-        for attempts in self._swap_attempts():
+        for attempts in race_attempts():
             if attempts > 1:
                 self._stats.add("put_retries")
             with self._manifest_guard(self._handle(agent_id)) as (guard, current):

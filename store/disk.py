@@ -29,7 +29,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,7 +51,7 @@ from store.manifest import (
     shared_name,
     summarize_manifest,
 )
-from store.prefix_holds import PrefixEntry, PrefixWrite
+from store.prefix_holds import HoldAttempt, PrefixEntry
 
 MARKER = "kvrq-store.json"
 if TYPE_CHECKING:
@@ -367,25 +367,26 @@ class DiskStore(WritingBackend):
     def _hold_path(self, name: str) -> Path:
         return self._prefixes / name[:2] / f"{name}{_SUFFIX}"
 
-    def _store_prefix(
-        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], when: Sequence[float]
-    ) -> PrefixWrite:
-        """Per block: hard-link the stored version into `prefixes/` (a lookup and a link), or write it
-        there and publish it to `shared/`. Links never replace a file, so concurrent writers of one
-        block keep one copy; the link count keeps counting references."""
-        held = written = nbytes = 0
-        for index, (share, used) in enumerate(zip(shares, when, strict=True)):
-            version = self._version(share)
-            if version is not None and self._hold(version[0], used):
-                held += 1
-                continue
-            block = encode(index)
-            if self._write_hold(shared_name(share, block.crc32), block, used):
-                written += 1
-                nbytes += block.nbytes
-            else:
-                held += 1
-        return PrefixWrite(held=held, written=written, bytes_written=nbytes)
+    def _hold_blocks(
+        self,
+        blocks: Sequence[tuple[str, int, int]],
+        new: Mapping[int, EncodedBlock],
+        send: Collection[int],
+        when: Sequence[float],
+    ) -> HoldAttempt:
+        """Per block: write it into `prefixes/` and publish it to `shared/` (those to send), or hard-link
+        the stored version into `prefixes/`. Links never replace a file, so concurrent writers of one
+        block keep one copy (a write that found another's is not counted written); the link count keeps
+        counting references. A version unlinked before its link is reported missing."""
+        missing: list[int] = []
+        written: list[int] = []
+        for index, ((name, _nbytes, _crc), used) in enumerate(zip(blocks, when, strict=True)):
+            if index in send:
+                if self._write_hold(name, new[index], used):
+                    written.append(index)
+            elif not self._hold(name, used):
+                missing.append(index)
+        return HoldAttempt(missing=missing, written=written)
 
     def _hold(self, name: str, when: float) -> bool:
         """Link the stored version `name` into `prefixes/` (or find it there) and set its last use;

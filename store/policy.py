@@ -5,9 +5,7 @@ pins, info and list; prefix holds (store/prefix_holds.py) and byte budgets (stor
 in, and the put (planning, writing, the guarded compare-and-swap) is store/commit.py's.
 
 The backend interface, every primitive a backend supplies, grouped as issue #41 names them. The
-decisions, retries, counts and logs around them are the policy's, except inside `_store_prefix`, which
-each backend still runs as its own loop (look up, write what is missing, hold, write again what was
-collected meanwhile):
+decisions, retries, counts and logs around them are the policy's:
 
   get
     _read_manifest(agent_id)              the manifest as stored; None if absent (or past the TTL)
@@ -19,7 +17,6 @@ collected meanwhile):
     _discard(agent_id, blocks)            delete own new blocks of a plan that is not swapped in
   compare-and-swap of the manifest
     _manifest_guard(handle)               the guard (a lock, a WATCH) and the manifest read under it
-    _swap_attempts()                      the tries of a guarded swap (one where the guard is a lock)
     _blocks_exist(guard, agent_id, refs)  whether blocks the swap keeps or links are stored, held so
     _swap_manifest(guard, agent_id, ...)  the swap, dropping what only the replaced manifest used
   delete
@@ -28,7 +25,7 @@ collected meanwhile):
   refcounts
     _collect_shared(released)             delete the released shared blocks nobody references
     _shared_users(name)                   how many agents reference a shared block
-    _store_prefix(shares, encode, when)   the prefix hold on blocks, writing the ones not stored
+    _hold_blocks(blocks, new, send, when)  the prefix hold on blocks, writing the new ones first
     _touch_prefix(blocks, when)           record held blocks' last use
     _prefix_entries()                     every held block, with its agents' references
     _drop_hold(entry)                     drop a prefix hold, and the block if then unreferenced
@@ -46,7 +43,7 @@ from __future__ import annotations
 
 import builtins
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -54,7 +51,7 @@ import numpy as np
 
 from engine.core.blocks import AgentCache
 from producer.wire.ids import validate_agent_id
-from store.backend import Blob
+from store.backend import Blob, race_attempts
 from store.base import CacheInfo, log, note_miss, record_miss, shared_prefix
 from store.block_codec import decode_block
 from store.budget import ByteBudget, split_shared
@@ -128,11 +125,6 @@ class BlockStore(PrefixHolds, ByteBudget):
         return sorted(entry.agent_id for entry in self._usage() if entry.agent_id is not None)
 
     # --- the compare-and-swap's guard, and delete as a swap to nothing --------------------------
-    def _swap_attempts(self) -> Iterable[int]:
-        """Numbers 1, 2, ... of the tries of a guarded swap (one where the guard is a lock: it never
-        fails); a backend whose guard is optimistic retries for as long as its race budget allows."""
-        return range(1, 2)
-
     @abstractmethod
     def _manifest_guard(self, handle: str) -> AbstractContextManager[tuple[Any, Blob | None]]:
         """The compare-and-swap's guard over an agent's manifest (by its `_handle`), from reading it to
@@ -159,7 +151,7 @@ class BlockStore(PrefixHolds, ByteBudget):
         """delete: one agent's cache by its usage handle, by a guarded swap of its manifest to nothing;
         False if it was already gone. With `only_if`, only while its manifest still holds exactly those
         bytes (a damaged cache no writer replaced)."""
-        for _attempt in self._swap_attempts():
+        for _attempt in race_attempts():
             with self._manifest_guard(handle) as (guard, current):
                 if only_if is not None and (current is None or bytes(current) != only_if):
                     return False
@@ -320,12 +312,6 @@ class BlockStore(PrefixHolds, ByteBudget):
                 break
             found.append(version)
         return found
-
-    @abstractmethod
-    def _find_versions(self, shares: Sequence[str]) -> Iterable[tuple[str, int, int] | None]:
-        """(name, nbytes, crc32) of each share key's stored version, None where there is none
-        (lazily where lookups are one by one: the caller may stop at the first None). A primitive:
-        the shared index is a directory listing on disk, a pointer key in Redis."""
 
     def record_miss(self, agent_id: str, reason: str, detail: str) -> None:
         """Count and log a miss found by a layer in front of this backend (the hot tier)."""

@@ -3,24 +3,26 @@ LRU byte budget (`prefix_max_bytes`).
 
 Written once for the backends that store caches (BlockStore mixes it in): which blocks a prefix is,
 the recency each block of a run records, what a put or a hit counts, and which held blocks the budget
-evicts. A hold is one more reference on a shared block; a backend supplies the hold itself
-(`_store_prefix`, `_touch_prefix`, `_drop_hold`), what is held (`_prefix_entries`) and a block's
-reference count (`_shared_users`).
+evicts, and the put's loop (look up, encode what is missing, hold, write again what was collected
+meanwhile). A hold is one more reference on a shared block; a backend supplies the hold itself
+(`_hold_blocks`, `_touch_prefix`, `_drop_hold`), a share key's stored version (`_find_versions`), what
+is held (`_prefix_entries`) and a block's reference count (`_shared_users`).
 """
 
 from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.core.blocks import AgentCache
-from store.backend import BlockBackend
+from store.backend import BlockBackend, race_attempts
 from store.base import log
 from store.block_codec import EncodedBlock, encode_block
 from store.budget import BUDGET_RESCAN_S
-from store.manifest import BlockRef, chain_keys, parse_shared_name, share_keys
+from store.errors import StoreError
+from store.manifest import BlockRef, chain_keys, parse_shared_name, share_keys, shared_name
 
 # A prefix touched at time t records block i at t - i * _DEPTH_STEP_S: a block is never less recent
 # than the blocks after it, so LRU eviction takes a run's tail first and never strands a tail.
@@ -42,6 +44,16 @@ class PrefixEntry:
     last_used: float
     agents: int  # how many agents link it besides the prefix hold (0: the budget may evict it)
     part_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class HoldAttempt:
+    """What one `_hold_blocks` did: which new blocks it wrote (a write that found another writer's copy
+    holds that copy and is not counted), and why the hold must be tried again, if it must."""
+
+    written: Sequence[int] = ()
+    missing: Sequence[int] = ()  # blocks collected between the lookup and the hold: written again
+    lost_race: bool = False  # the atomic step lost to another writer: tried again as it is
 
 
 @dataclass(frozen=True)
@@ -122,14 +134,57 @@ class PrefixHolds(BlockBackend):
         self._after_prefix_put(done.bytes_written)
         return True
 
-    @abstractmethod
     def _store_prefix(
         self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], when: Sequence[float]
     ) -> PrefixWrite:
         """Hold the shared block of each share key, recording `when[i]` as block i's last use: a stored
-        version is held as it is, the others are `encode(i)`d and written first. A primitive:
-        its atomic step is a hard link that never replaces on disk, a WATCHed MULTI/EXEC over every
-        block's values in Redis (a block collected meanwhile is written again)."""
+        version is held as it is (a lookup, no encode), the others are `encode(i)`d and written by the
+        hold. A block collected before the hold is written again, and a hold that lost a race is tried
+        again, until the race budget is spent (store/backend.py `race_attempts`)."""
+        new: dict[int, EncodedBlock] = {}  # blocks this put encodes
+        send: set[int] = set()  # of those, the ones the next hold writes
+        written: set[int] = set()
+        for _attempt in race_attempts():
+            looked_up = [i for i in range(len(shares)) if i not in new]
+            versions = dict(zip(looked_up, self._find_versions([shares[i] for i in looked_up]), strict=True))
+            blocks: list[tuple[str, int, int]] = []  # (name, nbytes, crc) of each share key
+            for index, share in enumerate(shares):
+                version = versions.get(index)
+                if version is None:
+                    if index not in new:
+                        new[index] = encode(index)
+                        send.add(index)
+                    version = (shared_name(share, new[index].crc32), new[index].nbytes, new[index].crc32)
+                blocks.append(version)
+            attempt = self._hold_blocks(blocks, new, send, when)
+            written.update(attempt.written)
+            send = set(attempt.missing)
+            for index in send - set(new):
+                new[index] = encode(index)
+            if not send and not attempt.lost_race:
+                nbytes = sum(new[i].nbytes for i in written)
+                held = len(shares) - len(written)
+                return PrefixWrite(held=held, written=len(written), bytes_written=nbytes)
+        raise StoreError(f"put_prefix of {len(shares)} blocks kept losing races with other writers")
+
+    @abstractmethod
+    def _find_versions(self, shares: Sequence[str]) -> Iterable[tuple[str, int, int] | None]:
+        """(name, nbytes, crc32) of each share key's stored version, None where there is none
+        (lazily where lookups are one by one: the caller may stop at the first None). A primitive:
+        the shared index is a directory listing on disk, a pointer key in Redis."""
+
+    @abstractmethod
+    def _hold_blocks(
+        self,
+        blocks: Sequence[tuple[str, int, int]],
+        new: Mapping[int, EncodedBlock],
+        send: Collection[int],
+        when: Sequence[float],
+    ) -> HoldAttempt:
+        """Hold every (name, nbytes, crc) block for prefixes, recording `when[i]` as its last use,
+        writing the blocks `send` names (encoded in `new`, which holds every block this put encoded)
+        first. A primitive: its atomic step is a hard link that never replaces on disk, a WATCHed
+        MULTI/EXEC over every block's values in Redis."""
 
     @abstractmethod
     def _touch_prefix(self, blocks: Sequence[tuple[str, int]], when: Sequence[float]) -> None:

@@ -29,9 +29,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import itertools
-import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -52,11 +51,10 @@ from store.manifest import (
     BlockRef,
     Manifest,
     parse_shared_name,
-    shared_name,
     stored_fence,
     summarize_manifest,
 )
-from store.prefix_holds import PrefixEntry, PrefixWrite
+from store.prefix_holds import HoldAttempt, PrefixEntry
 from store.redis_keys import (
     RedisKeys,
     as_blob,
@@ -84,12 +82,6 @@ DEFAULT_PREFIX = "kvrq:cache:"
 #: Makes a client for a Redis URL, given redis-py pool options (the URL's own options win).
 Connect = Callable[..., redis.Redis]
 PENDING_TTL_MS = 3_600_000  # an uncommitted block disappears after an hour
-# A put or delete that keeps losing its transaction to other writers of the same agent retries, after a
-# random pause that doubles up to RACE_PAUSE_CAP_S (full jitter: tight-looping writers fall out of step),
-# until RACE_BUDGET_S is spent and at least RACE_MIN_ATTEMPTS were made; then it raises StoreError.
-RACE_BUDGET_S = 10.0
-RACE_MIN_ATTEMPTS = 8
-RACE_PAUSE_CAP_S = 0.05
 SOCKET_CONNECT_TIMEOUT_S = 5.0
 SOCKET_TIMEOUT_S = 60.0  # per socket operation, not per command: large values still fit
 _PIPELINE_BYTES = 64 * 1024 * 1024  # flush a block-writing pipeline every ~64 MB
@@ -240,9 +232,6 @@ class RedisStore(WritingBackend):
         return self._commit_put(agent_id, cache, fence, namespace)
 
     # --- the compare-and-swap (WritingBackend._commit_put, BlockStore._remove): a WATCH on the manifest
-    def _swap_attempts(self) -> Iterator[int]:
-        return race_attempts()
-
     @contextlib.contextmanager
     def _manifest_guard(self, handle: str) -> Iterator[tuple[Any, Blob | None]]:
         """A transaction pipeline with a WATCH on the manifest key, and the manifest read under it."""
@@ -421,50 +410,35 @@ class RedisStore(WritingBackend):
         return [parse_pointer(share, value) for share, value in zip(shares, pipe.execute(), strict=True)]
 
     # --- anonymous prefixes --------------------------------------------------------------------
-    def _store_prefix(
-        self, shares: Sequence[str], encode: Callable[[int], EncodedBlock], when: Sequence[float]
-    ) -> PrefixWrite:
-        """Find each share key's stored version (one pipelined GET of the pointers), write the missing
-        blocks (SET NX on the provisional expiry), then one MULTI/EXEC, guarded by WATCH on every value,
-        adds PREFIX_HOLDER to each block's reference set and records it in `prefixes`. A block collected
-        before the EXEC aborts it: that block is written and the commit tried again."""
-        encoded: dict[int, EncodedBlock] = {}  # blocks this put writes
-        sent: set[int] = set()
-        for _attempt in race_attempts():
-            blocks: builtins.list[tuple[str, int, int]] = []  # (name, nbytes, crc) of each share key
-            pointers = self._find_versions([share for i, share in enumerate(shares) if i not in encoded])
-            for index, share in enumerate(shares):
-                found = None if index in encoded else pointers.pop(0)
-                if found is None:
-                    block = encoded.get(index) or encode(index)
-                    encoded[index] = block
-                    found = (shared_name(share, block.crc32), block.nbytes, block.crc32)
-                blocks.append(found)
-            self._set_pending([("", blocks[i][0], encoded[i], True) for i in sorted(set(encoded) - sent)])
-            sent = set(encoded)
-            keys = [self.keys.parts("", name, nbytes, self.part_bytes) for name, nbytes, _crc in blocks]
-            with self._client.pipeline(transaction=True) as tx:
-                tx.watch(*(key for block_keys in keys for key in block_keys))
-                missing = self._missing(keys)
-                if missing:
-                    for index in missing:  # collected meanwhile: write it again
-                        if index not in encoded:
-                            encoded[index] = encode(index)
-                        sent.discard(index)
-                    continue
-                tx.multi()
-                for index, (name, nbytes, crc) in enumerate(blocks):
-                    self.shared_blocks.queue_prefix_hold(tx, name, nbytes, crc, keys[index], index in encoded)
-                    tx.zadd(self.keys.prefixes, {name: when[index]})
-                    tx.hset(self.keys.prefix_sizes, name, f"{nbytes}:{self.part_bytes}")
-                try:
-                    tx.execute()
-                except WatchError:
-                    continue
-            self.pins.hold_shared([(name, nbytes) for name, nbytes, _ in blocks], self.part_bytes)
-            written = sum(encoded[i].nbytes for i in encoded)
-            return PrefixWrite(held=len(shares) - len(encoded), written=len(encoded), bytes_written=written)
-        raise StoreError(f"put_prefix of {len(shares)} blocks kept losing races with other writers")
+    def _hold_blocks(
+        self,
+        blocks: Sequence[tuple[str, int, int]],
+        new: Mapping[int, EncodedBlock],
+        send: Collection[int],
+        when: Sequence[float],
+    ) -> HoldAttempt:
+        """SET the blocks to send (NX, on the provisional expiry), then one MULTI/EXEC, guarded by WATCH
+        on every block's values, adds PREFIX_HOLDER to each block's reference set, adopts the values
+        this put wrote and records the block in `prefixes`. A block collected before the EXEC is
+        reported missing; a WATCH that fired, a lost race."""
+        self._set_pending([("", blocks[i][0], new[i], True) for i in sorted(send)])
+        keys = [self.keys.parts("", name, nbytes, self.part_bytes) for name, nbytes, _crc in blocks]
+        with self._client.pipeline(transaction=True) as tx:
+            tx.watch(*(key for block_keys in keys for key in block_keys))
+            missing = self._missing(keys)
+            if missing:
+                return HoldAttempt(missing=missing, written=sorted(send))
+            tx.multi()
+            for index, (name, nbytes, crc) in enumerate(blocks):
+                self.shared_blocks.queue_prefix_hold(tx, name, nbytes, crc, keys[index], index in new)
+                tx.zadd(self.keys.prefixes, {name: when[index]})
+                tx.hset(self.keys.prefix_sizes, name, f"{nbytes}:{self.part_bytes}")
+            try:
+                tx.execute()
+            except WatchError:
+                return HoldAttempt(written=sorted(send), lost_race=True)
+        self.pins.hold_shared([(name, nbytes) for name, nbytes, _ in blocks], self.part_bytes)
+        return HoldAttempt(written=sorted(send))
 
     def _missing(self, keys: Sequence[Sequence[str]]) -> builtins.list[int]:
         """The indexes of the blocks (each given by its value keys) with a value missing."""
@@ -593,17 +567,3 @@ class RedisStore(WritingBackend):
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
-
-
-def race_attempts(budget_s: float | None = None) -> Iterator[int]:
-    """Numbers 1, 2, ... for the attempts of an optimistic (WATCH) transaction, pausing before each
-    retry; ends once the budget is spent and RACE_MIN_ATTEMPTS were made. A budget in time, not in
-    attempts, because how often a writer loses depends on how busy the machine is, not on the writer."""
-    deadline = time.monotonic() + (RACE_BUDGET_S if budget_s is None else budget_s)
-    attempt = 1
-    while True:
-        yield attempt
-        if attempt >= RACE_MIN_ATTEMPTS and time.monotonic() >= deadline:
-            return
-        time.sleep(random.uniform(0, min(RACE_PAUSE_CAP_S, 0.001 * 2**attempt)))
-        attempt += 1

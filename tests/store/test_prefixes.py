@@ -90,6 +90,28 @@ def test_round_trip_and_a_stored_block_costs_a_lookup(
     assert _stored_copies(writer) == copies
 
 
+def test_a_block_collected_between_the_lookup_and_the_hold_is_written_again(
+    opener: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The put's loop (store/prefix_holds.py `_store_prefix`, one for every backend): a stored version
+    found by the lookup but evicted before the hold is reported missing, encoded and written again."""
+    writer, other = opener(), opener()
+    assert other.put_prefix(_cache(other, PREFIX))
+    find_versions = writer._find_versions  # type: ignore[attr-defined]
+
+    def found_then_collected(shares: list[str]) -> list[object]:
+        versions = list(find_versions(shares))
+        for entry in other._prefix_entries():  # type: ignore[attr-defined]
+            assert other._evict_prefix(entry)  # type: ignore[attr-defined]
+        return versions
+
+    monkeypatch.setattr(writer, "_find_versions", found_then_collected)
+    assert writer.put_prefix(_cache(writer, PREFIX + tokens(5, seed=4)))
+    stats = writer.stats()
+    assert (stats["prefix_blocks_held"], stats["prefix_blocks_written"]) == (0, 4)
+    assert_same_cache(other.get_prefix(PREFIX + tokens(20, seed=9)), _cache(other, PREFIX))
+
+
 def test_the_longest_run_of_full_blocks_is_found(opener: Opener) -> None:
     backend = opener()
     tail = tokens(32, seed=5)

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from store import redis_store
-from store.backend import Blob
+from store import backend
+from store.backend import Blob, race_attempts
 from store.errors import StoreError
-from store.redis_store import RedisStore, race_attempts
+from store.redis_store import RedisStore
 from tests.store.conftest import assert_same_cache, make_cache, redis_value_keys, tokens
 
 AGENT = "contested"
@@ -46,7 +46,7 @@ def test_a_put_outlasts_more_lost_races_than_its_minimum_attempts(
     store_and_rival: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store, rival = store_and_rival
-    lost = redis_store.RACE_MIN_ATTEMPTS + 4
+    lost = backend.RACE_MIN_ATTEMPTS + 4
     rival_puts = _rival_commits_first(store, rival, monkeypatch, lost)
     mine = make_cache(store.spec, tokens(90, seed=99))
     assert store.put(AGENT, mine)
@@ -60,13 +60,13 @@ def test_a_put_that_loses_every_race_fails_after_its_budget_and_leaves_no_blocks
     store_and_rival: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store, rival = store_and_rival
-    monkeypatch.setattr(redis_store, "RACE_BUDGET_S", 0.2)
+    monkeypatch.setattr(backend, "RACE_BUDGET_S", 0.2)
     rival_puts = _rival_commits_first(store, rival, monkeypatch, None)
     started = time.monotonic()
     with pytest.raises(StoreError, match=r"put of agent 'contested' lost \d+ races with other writers"):
         store.put(AGENT, make_cache(store.spec, tokens(90, seed=99)))
     assert time.monotonic() - started >= 0.2
-    assert rival_puts() >= redis_store.RACE_MIN_ATTEMPTS
+    assert rival_puts() >= backend.RACE_MIN_ATTEMPTS
     manifest = rival.read_manifest(AGENT)
     assert manifest is not None
     stored = redis_value_keys(rival._client, rival.prefix)
@@ -97,22 +97,22 @@ def test_a_delete_that_loses_a_race_deletes_what_the_winner_stored(
 
 
 def test_race_attempts_make_the_minimum_even_with_no_budget_then_stop() -> None:
-    assert list(race_attempts(0.0)) == list(range(1, redis_store.RACE_MIN_ATTEMPTS + 1))
+    assert list(race_attempts(0.0)) == list(range(1, backend.RACE_MIN_ATTEMPTS + 1))
 
 
 def test_race_attempts_go_on_past_the_minimum_until_the_budget_is_spent() -> None:
     started = time.monotonic()
     attempts = list(race_attempts(0.5))
     assert time.monotonic() - started >= 0.5
-    assert len(attempts) > redis_store.RACE_MIN_ATTEMPTS
+    assert len(attempts) > backend.RACE_MIN_ATTEMPTS
     assert attempts == list(range(1, len(attempts) + 1))
 
 
 def test_race_attempt_pauses_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     pauses: list[float] = []
-    monkeypatch.setattr(redis_store.time, "sleep", pauses.append)
+    monkeypatch.setattr(backend.time, "sleep", pauses.append)
     attempts = race_attempts(0.0)
-    for _ in range(redis_store.RACE_MIN_ATTEMPTS):
+    for _ in range(backend.RACE_MIN_ATTEMPTS):
         next(attempts)
-    assert len(pauses) == redis_store.RACE_MIN_ATTEMPTS - 1
-    assert all(0 <= p <= redis_store.RACE_PAUSE_CAP_S for p in pauses)
+    assert len(pauses) == backend.RACE_MIN_ATTEMPTS - 1
+    assert all(0 <= p <= backend.RACE_PAUSE_CAP_S for p in pauses)

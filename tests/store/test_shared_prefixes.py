@@ -382,3 +382,26 @@ def test_without_scripting_an_agent_adopting_the_block_during_its_collection_kee
     assert_same_cache(other.get("b"), adopter)
     store.close()
     other.close()
+
+
+def test_a_put_whose_linked_block_was_collected_before_its_swap_is_planned_again(
+    opener: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every backend retries the guarded swap while the race budget allows (store/backend.py
+    `race_attempts`), disk's lock included: a shared block the plan links, collected between the write
+    and the swap, makes the put plan and write again, not fail."""
+    store = opener()
+    blocks_exist = store._blocks_exist  # type: ignore[attr-defined]
+    checks: list[int] = []
+
+    def collected_once(guard: Any, agent_id: str, refs: Any) -> bool:
+        checks.append(len(refs))
+        return len(checks) > 1 and bool(blocks_exist(guard, agent_id, refs))
+
+    monkeypatch.setattr(store, "_blocks_exist", collected_once)
+    cache = make_cache(store.spec, PREFIX + tokens(10, seed=3))
+    assert store.put("agent", cache)
+    assert checks[0] == 4, "the first check is of the 4 shared blocks the plan links"
+    assert store.stats()["put_retries"] == 1
+    monkeypatch.undo()
+    assert_same_cache(opener().get("agent"), cache)
