@@ -47,6 +47,20 @@ class PrefixEntry:
 
 
 @dataclass(frozen=True)
+class PrefixHold:
+    """One attempt of a put_prefix, as the backend's hold takes it."""
+
+    blocks: Sequence[tuple[str, int, int]]  # (name, nbytes, crc) of every block of the prefix
+    new: Mapping[int, EncodedBlock]  # the blocks this put encoded, by index
+    send: Collection[int]  # of those, the ones this attempt writes
+    when: Sequence[float]  # each block's last use
+
+    def writes(self, index: int) -> EncodedBlock | None:
+        """The block to write at `index`, None where the stored version is held."""
+        return self.new[index] if index in self.send else None
+
+
+@dataclass(frozen=True)
 class HoldAttempt:
     """What one `_hold_blocks` did: which new blocks it wrote (a write that found another writer's copy
     holds that copy and is not counted), and why the hold must be tried again, if it must."""
@@ -156,7 +170,7 @@ class PrefixHolds(BlockBackend):
                         send.add(index)
                     version = (shared_name(share, new[index].crc32), new[index].nbytes, new[index].crc32)
                 blocks.append(version)
-            attempt = self._hold_blocks(blocks, new, send, when)
+            attempt = self._hold_blocks(PrefixHold(blocks, new, send, when))
             written.update(attempt.written)
             send = set(attempt.missing)
             for index in send - set(new):
@@ -174,17 +188,10 @@ class PrefixHolds(BlockBackend):
         the shared index is a directory listing on disk, a pointer key in Redis."""
 
     @abstractmethod
-    def _hold_blocks(
-        self,
-        blocks: Sequence[tuple[str, int, int]],
-        new: Mapping[int, EncodedBlock],
-        send: Collection[int],
-        when: Sequence[float],
-    ) -> HoldAttempt:
-        """Hold every (name, nbytes, crc) block for prefixes, recording `when[i]` as its last use,
-        writing the blocks `send` names (encoded in `new`, which holds every block this put encoded)
-        first. A primitive: its atomic step is a hard link that never replaces on disk, a WATCHed
-        MULTI/EXEC over every block's values in Redis."""
+    def _hold_blocks(self, hold: PrefixHold) -> HoldAttempt:
+        """Hold every block of `hold` for prefixes, recording `when[i]` as its last use, writing the
+        blocks `send` names first. A primitive: its atomic step is a hard link that never replaces on
+        disk, a WATCHed MULTI/EXEC over every block's values in Redis."""
 
     @abstractmethod
     def _touch_prefix(self, blocks: Sequence[tuple[str, int]], when: Sequence[float]) -> None:

@@ -30,7 +30,7 @@ import builtins
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -54,7 +54,7 @@ from store.manifest import (
     stored_fence,
     summarize_manifest,
 )
-from store.prefix_holds import HoldAttempt, PrefixEntry
+from store.prefix_holds import HoldAttempt, PrefixEntry, PrefixHold
 from store.redis_keys import (
     RedisKeys,
     as_blob,
@@ -410,35 +410,30 @@ class RedisStore(WritingBackend):
         return [parse_pointer(share, value) for share, value in zip(shares, pipe.execute(), strict=True)]
 
     # --- anonymous prefixes --------------------------------------------------------------------
-    def _hold_blocks(
-        self,
-        blocks: Sequence[tuple[str, int, int]],
-        new: Mapping[int, EncodedBlock],
-        send: Collection[int],
-        when: Sequence[float],
-    ) -> HoldAttempt:
+    def _hold_blocks(self, hold: PrefixHold) -> HoldAttempt:
         """SET the blocks to send (NX, on the provisional expiry), then one MULTI/EXEC, guarded by WATCH
         on every block's values, adds PREFIX_HOLDER to each block's reference set, adopts the values
         this put wrote and records the block in `prefixes`. A block collected before the EXEC is
         reported missing; a WATCH that fired, a lost race."""
-        self._set_pending([("", blocks[i][0], new[i], True) for i in sorted(send)])
+        blocks, send = hold.blocks, sorted(hold.send)
+        self._set_pending([("", blocks[i][0], hold.new[i], True) for i in send])
         keys = [self.keys.parts("", name, nbytes, self.part_bytes) for name, nbytes, _crc in blocks]
         with self._client.pipeline(transaction=True) as tx:
             tx.watch(*(key for block_keys in keys for key in block_keys))
             missing = self._missing(keys)
             if missing:
-                return HoldAttempt(missing=missing, written=sorted(send))
+                return HoldAttempt(missing=missing, written=send)
             tx.multi()
             for index, (name, nbytes, crc) in enumerate(blocks):
-                self.shared_blocks.queue_prefix_hold(tx, name, nbytes, crc, keys[index], index in new)
-                tx.zadd(self.keys.prefixes, {name: when[index]})
+                self.shared_blocks.queue_prefix_hold(tx, name, nbytes, crc, keys[index], index in hold.new)
+                tx.zadd(self.keys.prefixes, {name: hold.when[index]})
                 tx.hset(self.keys.prefix_sizes, name, f"{nbytes}:{self.part_bytes}")
             try:
                 tx.execute()
             except WatchError:
-                return HoldAttempt(written=sorted(send), lost_race=True)
+                return HoldAttempt(written=send, lost_race=True)
         self.pins.hold_shared([(name, nbytes) for name, nbytes, _ in blocks], self.part_bytes)
-        return HoldAttempt(written=sorted(send))
+        return HoldAttempt(written=send)
 
     def _missing(self, keys: Sequence[Sequence[str]]) -> builtins.list[int]:
         """The indexes of the blocks (each given by its value keys) with a value missing."""

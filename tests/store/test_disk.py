@@ -50,7 +50,7 @@ def test_a_crash_before_the_manifest_leaves_the_previous_cache(
     def crash(path: Path, parts: object, *, fsync: bool) -> None:
         raise OSError("power cut")
 
-    monkeypatch.setattr(disk_module, "_write_atomic", crash)
+    monkeypatch.setattr(disk_module, "write_atomic", crash)  # the manifest's write
     with pytest.raises(OSError):
         store.put("a", make_cache(spec, tokens(90, seed=1)))  # new blocks are on disk, no manifest
     monkeypatch.undo()

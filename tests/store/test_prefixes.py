@@ -199,7 +199,7 @@ def test_a_budget_of_zero_turns_anonymous_prefixes_off(opener: Opener) -> None:
 
 def _corrupt_shared_block(backend: BlockBackend, name: str, nbytes: int) -> None:
     if isinstance(backend, DiskStore):
-        path = backend._shared_path(name)
+        path = backend.shared.path(name)
         assert path is not None
         with open(path, "r+b") as f:  # in place: every link to the block sees it
             f.seek(nbytes - 5)
