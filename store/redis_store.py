@@ -22,6 +22,12 @@ transaction aborts and the put commits again (re-planned only if blocks it reuse
 gone), after a random pause, for up to RACE_BUDGET_S: last writer wins, never a mix.
 Reads pipeline GETs and receive each value straight into the block's buffer (store/redis_reads.py
 over store/resp.py), checksumming blocks as they complete.
+
+Why one class of ~470 lines: it is the primitives store/policy.py lists, over one client, each a
+pipeline or a MULTI/EXEC whose keys have to be named together in one place to be atomic; everything
+that is not a primitive lives beside it (redis_keys.py the layout, redis_pins.py pins and TTLs,
+redis_shared.py the reference sets and their Lua collector, redis_reads.py the reads, replication.py
+the WAIT after a put).
 """
 
 from __future__ import annotations
