@@ -25,7 +25,7 @@ decisions, retries, counts and logs around them are the policy's:
   refcounts
     _collect_shared(released)             delete the released shared blocks nobody references
     _shared_users(name)                   how many agents reference a shared block
-    _hold_blocks(blocks, new, send, when)  the prefix hold on blocks, writing the new ones first
+    _hold_blocks(hold)                    the prefix hold on blocks, writing the new ones first
     _touch_prefix(blocks, when)           record held blocks' last use
     _prefix_entries()                     every held block, with its agents' references
     _drop_hold(entry)                     drop a prefix hold, and the block if then unreferenced
