@@ -15,6 +15,10 @@ The tier keeps caches exactly as they were put: quantization applies at rest, in
 backend. Entries are evicted least recently used first once they exceed the byte
 budget; that is logged and counted, and never drops a write that is still pending.
 Callers must not modify a cache's arrays after putting it or while using one got.
+
+Why one class of ~440 lines: it is the whole CacheStore protocol in front of a backend, and every
+call has to see memory, the pending writes and the backend together under one lock (a get must
+never miss a cache that is only pending, a delete must cancel its pending write).
 """
 
 from __future__ import annotations
