@@ -259,7 +259,10 @@ class DiskStore(WritingBackend):
         return linked
 
     def _release_shared(self, names: Iterable[str]) -> None:
-        collected = self.shared.release(names)
+        self._count_collected(self.shared.release(names))
+
+    def _count_collected(self, collected: int | None) -> None:
+        """Shared block versions removed because no agent or prefix holds them any more."""
         if collected:
             self._stats.add("shared_collected", collected)
 
@@ -268,8 +271,7 @@ class DiskStore(WritingBackend):
         publishing). Scans the whole index: for maintenance, not for every put. Returns how many
         were removed."""
         collected = self.shared.collect_unused()
-        if collected:
-            self._stats.add("shared_collected", collected)
+        self._count_collected(collected)
         return collected
 
     def _collect_garbage(self, directory: Path, blocks_dir: Path, manifest: Manifest) -> None:
@@ -300,8 +302,7 @@ class DiskStore(WritingBackend):
 
     def _drop_hold(self, entry: PrefixEntry) -> bool:
         collected = self.shared.drop_hold(entry.name)
-        if collected:
-            self._stats.add("shared_collected", collected)
+        self._count_collected(collected)
         return collected is not None
 
     # --- delete, list, info, budgets -----------------------------------------------------------

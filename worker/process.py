@@ -63,6 +63,7 @@ def serve(settings: WorkerSettings) -> int:
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
         draft_model=draft_model,
+        draft_model_name=settings.draft_model,
     )
     store = open_store(
         settings.store_uri(),

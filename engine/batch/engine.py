@@ -12,7 +12,6 @@ come a few steps after its last token, and has_work() stays true until it has).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.batch.acceleration import step_rows
+from engine.batch.acceleration import log, step_rows
 from engine.batch.backends import Backend, FinishedKV, MlxBatchBackend, RaggedBackend, ragged_fits
 from engine.batch.checkpoints import CheckpointingBatchBackend
 from engine.batch.drafters import Drafter, DraftModel, PromptLookup
@@ -81,7 +80,6 @@ class _Cut:
     blocks: Future[AgentCache]
 
 
-log = logging.getLogger("kvrq.engine")
 
 
 class BlockPoolBatchEngine:
@@ -103,6 +101,7 @@ class BlockPoolBatchEngine:
         kv_group_size: int | None = None,
         speculation: bool | None = None,
         draft_model: Any = None,
+        draft_model_name: str | None = None,
     ) -> None:
         """`prefill_tokens_per_step` bounds the prompt tokens run between two decode steps
         (the ragged batch); `ragged=None` uses the ragged batch wherever it is supported,
@@ -115,7 +114,8 @@ class BlockPoolBatchEngine:
         `speculation` (None: the KVRQ_SPECULATION switch, SPECULATION_DEFAULT unless set) lets decoding rows
         verify prompt-lookup drafts where it pays (engine/batch/speculation.py); ragged batch only.
         `draft_model`, a small model of the same vocabulary, drafts instead of the prompt lookup
-        (engine/batch/drafters.py; it turns speculation on unless `speculation` is False)."""
+        (engine/batch/drafters.py; it turns speculation on unless `speculation` is False);
+        `draft_model_name`, what the operator asked for, names it in the log."""
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.model = model
@@ -182,7 +182,7 @@ class BlockPoolBatchEngine:
             self.drafter = DraftModel(draft_model, self.vocab_size)
             log.info(  # what an operator needs to see whether it can ever pay (docs/worker.md)
                 "draft model %s: %.2f ms a guessed token, %.3f ms a context token read",
-                type(draft_model).__module__,
+                draft_model_name or type(draft_model).__module__,
                 self.drafter.token_s * 1000,
                 self.drafter.prompt_token_s * 1000,
             )
