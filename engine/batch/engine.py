@@ -80,8 +80,6 @@ class _Cut:
     blocks: Future[AgentCache]
 
 
-
-
 class BlockPoolBatchEngine:
     def __init__(
         self,
