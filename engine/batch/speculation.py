@@ -41,7 +41,7 @@ from engine.core.params import SamplingParams
 #: Draft lengths: a row starts at FIRST_DRAFT, doubles when all are accepted, halves when few are.
 #: MAX_DRAFT fills a lone row's step to 16 query tokens: matmuls run fastest at 16-row multiples
 #: (engine/cpu/gemm_rows.py), so on the CPU a 16-token forward of one row cost 1.79x a 1-token one,
-#: no more than 8 tokens (1.75x) and less than 9-12 (1.97-2.53x); at batch 1 it verified 10-20% more
+#: no more than 8 tokens (1.75x) and less than 9-12 (1.97-2.53x); at batch 1 it decoded 6-31% more
 #: tokens a second than a cap of 8 (benchmarks/README.md). Larger batches draft where the cost says.
 FIRST_DRAFT = 4
 MIN_DRAFT = 2
