@@ -33,6 +33,8 @@ logger = logging.getLogger("kvrq.http")
 RESULT_AFTER_END_S = 5.0
 #: Seconds the server, stopping, waits for the cancels it has sent out.
 CLOSE_WAIT_S = 5.0
+#: Seconds the server, stopping, lets the requests it cut off start their cancels.
+CANCELS_START_S = 0.2
 
 
 class ClientGone(Exception):
@@ -47,9 +49,14 @@ class Bridge:
         self._cancels: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
-        """At shutdown: the cancels of the requests the server cut off still go out."""
-        if self._cancels:
-            await asyncio.wait(set(self._cancels), timeout=CLOSE_WAIT_S)
+        """At shutdown: the cancels of the requests the server cut off still go out. uvicorn cancels
+        those requests just before this runs, and a request learns of it only some turns of the loop
+        later (through the middleware's task groups): it is given CANCELS_START_S to start its cancel."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_WAIT_S
+        await asyncio.sleep(CANCELS_START_S)
+        while self._cancels and loop.time() < deadline:
+            await asyncio.wait(set(self._cancels), timeout=deadline - loop.time())
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """A short blocking call (rq's reads) on the default executor."""
