@@ -2,7 +2,9 @@
 agent-shaped work, on the builtin SmolLM2, greedy: kvrq with and without speculation and raw mlx-lm's
 BatchGenerator in the same run, at 1, 4 and 16 rows.
 
-Tasks: `tool_call`, a tool call whose arguments quote a file shown in the prompt; `code_edit`, a
+Tasks: `tool_call`, a tool call whose arguments quote a file shown in the prompt; `forced_tool`, the
+same call under a grammar (a JSON schema of the call, as tool_choice or response_format enforce it:
+kvrq's rows are masked, and drafted positions too, while raw mlx-lm runs unconstrained); `code_edit`, a
 function shown and rewritten with one change; `chat`, plain chat (the control: little to copy).
 Decode tokens/s counts the tokens after every row's first one over the time after it (prefill is the
 same work with or without drafts); `same` says whether the tokens with speculation equal those
@@ -26,11 +28,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import table  # noqa: E402
-from engine.core.params import SamplingParams  # noqa: E402
+from engine.core.params import OutputGrammar, SamplingParams  # noqa: E402
 from engine.cpu.blas import ensure_fast_blas  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "spec.json"
-TASKS = ("tool_call", "code_edit", "chat")
+TASKS = ("tool_call", "forced_tool", "code_edit", "chat")
 DRAFT_Q4 = "builtin-q4"
 
 
@@ -59,9 +61,32 @@ def save_{name}(items: list[dict], path: Path = DATA) -> None:
 '''
 
 
+#: forced_tool's grammar: the write_file call as the tool_call prompt asks for it.
+WRITE_FILE_CALL = {
+    "type": "object",
+    "properties": {
+        "name": {"const": "write_file"},
+        "arguments": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+
+
+def grammar(task: str) -> OutputGrammar | None:
+    if task != "forced_tool":
+        return None
+    return OutputGrammar("json_schema", json.dumps(WRITE_FILE_CALL), "bench forced_tool")
+
+
 def messages(task: str, i: int) -> list[dict[str, str]]:
     code = source_file(i)
-    if task == "tool_call":
+    if task in ("tool_call", "forced_tool"):
         return [
             {
                 "role": "system",
@@ -108,7 +133,13 @@ class Timeline:
 
 
 def run_kvrq(
-    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, spec: bool, draft_model: Any = None
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    spec: bool,
+    draft_model: Any = None,
+    output_grammar: OutputGrammar | None = None,
 ) -> dict[str, Any]:
     from engine.batch.engine import BlockPoolBatchEngine
 
@@ -120,7 +151,7 @@ def run_kvrq(
         speculation=spec,
         draft_model=draft_model,
     )
-    params = SamplingParams(max_tokens=max_tokens, stop_tokens=())
+    params = SamplingParams(max_tokens=max_tokens, stop_tokens=(), grammar=output_grammar)
     uids = [engine.submit(None, p, params, keep_cache=False) for p in prompts]
     timeline = Timeline(len(prompts))
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
@@ -185,14 +216,19 @@ def bench(
                 list(tokenizer.apply_chat_template(messages(task, i), add_generation_prompt=True))
                 for i in range(n)
             ]
+            task_grammar = grammar(task)
             runs: dict[str, Callable[[], dict[str, Any]]] = {
                 "raw": lambda p=prompts: run_raw(model, p, max_tokens),  # type: ignore[misc]
-                "off": lambda p=prompts: run_kvrq(model, tokenizer, p, max_tokens, False),  # type: ignore[misc]
-                "on": lambda p=prompts: run_kvrq(model, tokenizer, p, max_tokens, True),  # type: ignore[misc]
+                "off": lambda p=prompts, g=task_grammar: run_kvrq(  # type: ignore[misc]
+                    model, tokenizer, p, max_tokens, False, output_grammar=g
+                ),
+                "on": lambda p=prompts, g=task_grammar: run_kvrq(  # type: ignore[misc]
+                    model, tokenizer, p, max_tokens, True, output_grammar=g
+                ),
             }
             if draft_model is not None:
-                runs["draft"] = lambda p=prompts: run_kvrq(  # type: ignore[misc]
-                    model, tokenizer, p, max_tokens, True, draft_model
+                runs["draft"] = lambda p=prompts, g=task_grammar: run_kvrq(  # type: ignore[misc]
+                    model, tokenizer, p, max_tokens, True, draft_model, g
                 )
             best: dict[str, dict[str, Any]] = {}
             for _ in range(repeat):  # interleaved: the machine's noise hits all three alike

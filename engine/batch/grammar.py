@@ -150,6 +150,28 @@ class GrammarProcessor:
         allowed = mx.array(self._allowed())
         return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
+    def draft_masks(self, draft: list[int]) -> tuple[list[int], np.ndarray]:
+        """For a drafted step (engine/batch/speculation.py): the longest prefix of `draft` the grammar
+        admits, and the allowed tokens at each of its positions and the one after it ((kept + 1, vocab)):
+        position i's mask is the grammar's state after the row's tokens and the first i drafts, which is
+        the state in which position i's token counts. A draft stops before an end token, or where the
+        document is complete. The matcher is left where it was (the drafts are rolled back)."""
+        masks = [self._allowed().copy()]
+        kept: list[int] = []
+        for token in draft:
+            if (
+                token >= self._vocab_size
+                or not masks[-1][0, token]
+                or token in self._stop_ids
+                or not self.matcher.consume_token(token)
+            ):
+                break
+            kept.append(token)
+            masks.append(self._allowed().copy())
+        if kept:
+            self.matcher.rollback(len(kept))
+        return kept, np.concatenate(masks)
+
     def ends_row(self, token: int) -> bool:
         self._reported += 1
         if self._reported > self._consumed:

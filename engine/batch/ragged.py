@@ -44,10 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from engine.batch import acceleration
 from engine.batch.attention import AttentionCall, QuantizedCall, fused_attention
-from engine.batch.sampling import Sampler, ends_row, token_logprobs
+from engine.batch.sampling import Sampler, allowed_draft, ends_row, token_logprobs
 from engine.batch.short_slots import SHORT_ROW_TOKENS, ShortSlots, SlotStep
 from engine.batch.speculation import RowSpeculation, Speculation, accept_greedy
 from engine.batch.split_choice import Key, SplitChoice
@@ -401,6 +402,7 @@ class Row:
     top_logprobs: int | None = None  # None: no logprobs; else how many best tokens besides the chosen
     ended: bool = False  # a processor ended the row on its last token
     speculation: RowSpeculation | None = None  # drafts from its context (engine/batch/speculation.py)
+    draft_masks: np.ndarray | None = None  # a drafted grammar row's allowed tokens, per position this step
 
     @property
     def plain(self) -> bool:
@@ -574,14 +576,7 @@ class RaggedBatchGenerator:
                 continue  # prompt not done: no token yet
             token = sampled[row.uid][0]
             row.pending = [token]
-            row.sampled.append(token)
-            reason = None
-            if row.processors and ends_row(row.processors, token):
-                row.ended = True
-            if token in row.stop_token_ids or row.ended:
-                reason = "stop"
-            elif len(row.sampled) >= row.max_tokens:
-                reason = "length"
+            reason = self._sampled(row, token)
             reported = logprobs.get(row.uid)
             out.append(RowToken(row.uid, token, reason, reported[0] if reported else None))
         self.last_step = stats
@@ -592,6 +587,18 @@ class RaggedBatchGenerator:
             self.cost.record(stats)
         return out
 
+    @staticmethod
+    def _sampled(row: Row, token: int) -> str | None:
+        """Take the row's next token: why it ends the row ("stop", "length"), or None."""
+        row.sampled.append(token)
+        if row.processors and ends_row(row.processors, token):
+            row.ended = True
+        if token in row.stop_token_ids or row.ended:
+            return "stop"
+        if len(row.sampled) >= row.max_tokens:
+            return "length"
+        return None
+
     def _draft(self, live: list[Row], chunks: list[tuple[Row, int]]) -> None:
         """Put this step's drafts after the last token of the rows the speculation policy picks."""
         if self.speculation is None:
@@ -601,7 +608,11 @@ class RaggedBatchGenerator:
         extra_s = sum(n for _, n in chunks) * (self.cost.per_token_s or 0.0)
         plan = self.speculation.plan(candidates, len(decoding), self.steps, extra_s, self.cost.token_price_s)
         for uid, draft in plan.items():
-            self.rows[uid].pending += draft
+            row = self.rows[uid]
+            if row.processors:  # a grammar row drafts what its grammar admits (can_draft)
+                draft, masks = allowed_draft(row.processors, draft)
+                row.draft_masks = masks if draft else None
+            row.pending += draft
 
     def _take_drafted(
         self,
@@ -618,14 +629,10 @@ class RaggedBatchGenerator:
         row.speculation.record(drafted, accepted, self.steps)
         stats.draft_tokens += drafted
         stats.accepted_tokens += accepted
+        row.draft_masks = None
         out = []
         for i, token in enumerate(tokens):
-            row.sampled.append(token)
-            reason = None
-            if token in row.stop_token_ids:
-                reason = "stop"
-            elif len(row.sampled) >= row.max_tokens:
-                reason = "length"
+            reason = self._sampled(row, token)
             out.append(RowToken(row.uid, token, reason, logprobs[i] if logprobs else None))
             if reason is not None:
                 break
@@ -786,14 +793,17 @@ class RaggedBatchGenerator:
     ) -> tuple[dict[int, list[int]], dict[int, list[TokenLogprobs]]]:
         """Each row on its own: its processors on its (1, vocab) logits (given the row's tokens so far,
         as mlx-lm gives them), then its sampler or argmax; logprobs after the processors, as mlx-lm's.
-        A drafted row (never one with processors) verifies its draft over its (k + 1, vocab) logits:
-        greedy against their argmax, sampled by speculative sampling (engine/batch/speculation.py)."""
+        A drafted row verifies its draft over its (k + 1, vocab) logits (a grammar row's masked by its
+        draft_masks, each position in the grammar's state after the drafts before it): greedy against
+        their argmax, sampled by speculative sampling (engine/batch/speculation.py)."""
         sizes = [len(row.pending) if row.drafting else 1 for row in rows]
         bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
         parts = mx.split(picked, bounds, axis=0) if bounds else [picked]
         choices, all_logprobs = [], []
         for row, logits in zip(rows, parts, strict=True):
-            if row.processors:
+            if row.draft_masks is not None:  # a drafted grammar row: the masks of its draft's positions
+                logits = mx.where(mx.array(row.draft_masks), logits, mx.array(-float("inf"), logits.dtype))
+            elif row.processors:
                 context = mx.array(row.cached_tokens + row.pending)
                 for processor in row.processors:
                     logits = processor(context, logits)

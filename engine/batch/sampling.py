@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from engine.core.params import LogitsProcessor, SamplingParams
@@ -83,6 +84,23 @@ def token_logprobs(logprobs: mx.array, tokens: list[int], top: int) -> list[Toke
 def ends_row(processors: list[LogitsProcessor], token: int) -> bool:
     """Whether a processor (a grammar that is complete, say) ends its row on `token`."""
     return any(getattr(processor, "ends_row", _never)(token) for processor in processors)
+
+
+def checks_drafts(processors: list[LogitsProcessor]) -> bool:
+    """Whether every processor can mask a drafted step's positions (a grammar: engine/batch/grammar.py);
+    others (penalties, logit bias) follow each token, so their rows run plainly."""
+    return all(hasattr(processor, "draft_masks") for processor in processors)
+
+
+def allowed_draft(processors: list[LogitsProcessor], draft: list[int]) -> tuple[list[int], np.ndarray]:
+    """The longest prefix of `draft` every processor admits, and the tokens allowed at each of its
+    positions and the one after ((len + 1, vocab) booleans): the drafted step's logits masks."""
+    masks: np.ndarray | None = None
+    for processor in processors:
+        draft, allowed = processor.draft_masks(draft)  # type: ignore[attr-defined]
+        masks = allowed if masks is None else masks[: len(draft) + 1] & allowed[: len(draft) + 1]
+    assert masks is not None, "a row without processors drafts unmasked"
+    return draft, masks[: len(draft) + 1]
 
 
 def _never(token: int) -> bool:

@@ -18,7 +18,10 @@ Adaptive: a row drafts only where its drafter has a guess (its n-gram occurs ear
 drafts keep failing pauses (longer each time); a step speculates only where the learnt cost says it
 pays: the tokens the drafts are expected to add against what their extra query tokens (and a draft
 model's forwards) cost, at this many decoding rows (a large, compute-bound batch gains nothing).
-Rows run plainly (no drafts) where they have logits processors (grammar, penalties, logit bias:
+A grammar row (structured output, a forced tool call) drafts only the part of its draft its grammar
+admits, and each drafted position's logits are masked in the grammar's state after the drafts before
+it (engine/batch/grammar.py: consumed, then rolled back), so its tokens are those it gives without
+drafts. Rows run plainly (no drafts) where they have other logits processors (penalties, logit bias:
 their state follows each token) or caches other than plain or quantized full attention (sliding
 windows, SSM state, MLA), and in models the ragged batch does not run.
 """
@@ -36,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from engine.batch.drafters import Drafter, NgramIndex, RowDrafter
+from engine.batch.sampling import checks_drafts
 from engine.core.params import SamplingParams
 
 #: Draft lengths: a row starts at FIRST_DRAFT, doubles when all are accepted, halves when few are.
@@ -459,8 +463,11 @@ class Speculation:
 
 
 def can_draft(row: Any) -> bool:
-    """Whether a row may draft: no logits processors (their state follows each token), and only
-    caches a trim rolls back (plain or quantized full attention)."""
+    """Whether a row may draft: no logits processors but a grammar (the others' state follows each
+    token; a grammar masks each drafted position: engine/batch/grammar.py), and only caches a trim
+    rolls back (plain or quantized full attention)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    return not row.processors and all(type(layer) in (KVCache, QuantizedKVCache) for layer in row.layers)
+    return checks_drafts(row.processors) and all(
+        type(layer) in (KVCache, QuantizedKVCache) for layer in row.layers
+    )

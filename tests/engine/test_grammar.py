@@ -8,6 +8,7 @@ byte-level BPE tokenizer (49,152 tokens) while a step costs milliseconds.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
+from engine.batch.drafters import NgramIndex
 from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.errors import InvalidRequestError
 from engine.core.params import OutputGrammar, SamplingParams
@@ -197,3 +199,114 @@ def test_a_grammar_compiles_once_per_distinct_source(engine: BlockPoolBatchEngin
     engine.check(SamplingParams(max_tokens=9, grammar=OutputGrammar(grammar.kind, grammar.source)))
     assert engine.grammars._compiled[grammar] is compiled and len(engine.grammars._compiled) == 1
     assert grammar_params.processes_logits
+
+
+#: A document long enough to draft inside: a random model writes its strings token by token.
+NOTE = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 60}, "ok": {"type": "boolean"}},
+    "required": ["title", "ok"],
+    "additionalProperties": False,
+}
+
+
+def ragged_engine(model: Any, tokenizer: Any, speculation: bool) -> BlockPoolBatchEngine:
+    eng = BlockPoolBatchEngine(
+        model, tokenizer, model_name="tiny-llama-smol-vocab", pool_blocks=64, speculation=speculation
+    )
+    if eng.speculation is not None:
+        eng.speculation.always = True  # draft wherever a draft exists: the path under test
+    return eng
+
+
+def without_drafts(model: Any, tokenizer: Any, tokens: list[int], params: SamplingParams) -> Completion:
+    eng = ragged_engine(model, tokenizer, speculation=False)
+    try:
+        (completion,) = run(eng, [(tokens, params)])
+    finally:
+        eng.close()
+    return completion
+
+
+def oracle_drafts(
+    monkeypatch: pytest.MonkeyPatch, tokens: list[int], output: list[int], corrupt: float
+) -> None:
+    """Drafts are the row's true continuation, each token replaced with probability `corrupt` by one
+    the grammar mostly does not admit there: drafts kept whole, cut by the grammar, and rejected."""
+    rng = random.Random(11)
+
+    def propose(self: NgramIndex, k: int) -> list[int]:
+        assert self.tokens[: len(tokens)] == tokens
+        done = len(self.tokens) - len(tokens)
+        return [t if rng.random() >= corrupt else rng.randrange(VOCAB) for t in output[done : done + k]]
+
+    monkeypatch.setattr(NgramIndex, "propose", propose)
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.3])
+def test_a_grammar_row_gives_the_same_tokens_with_drafts_whatever_part_of_them_is_wrong(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, corrupt: float
+) -> None:
+    tokens = prompt(tokenizer, "A note as JSON:")
+    params = SamplingParams(max_tokens=64, grammar=grammar_of(NOTE))
+    expected = without_drafts(model, tokenizer, tokens, params)
+    oracle_drafts(monkeypatch, tokens, expected.token_ids, corrupt)
+    eng = ragged_engine(model, tokenizer, speculation=True)
+    try:
+        (drafted,) = run(eng, [(tokens, params)])
+        stats = eng.speculation.stats  # type: ignore[union-attr]
+    finally:
+        eng.close()
+    assert drafted.token_ids == expected.token_ids
+    assert drafted.text == expected.text and drafted.finish_reason == expected.finish_reason
+    assert stats.accepted > 0, "drafts were verified under the grammar's masks"
+    if corrupt:
+        assert stats.accepted < stats.proposed, "some drafts were cut or rejected"
+
+
+def test_draft_masks_keep_what_the_grammar_admits_and_leave_the_matcher_where_it_was(
+    model: Any, tokenizer: Any
+) -> None:
+    eng = ragged_engine(model, tokenizer, speculation=True)
+    try:
+        processor = eng.grammars.processor(grammar_of(NOTE))
+    finally:
+        eng.close()
+    written = prompt(tokenizer, '{"title":"')
+    for token in written:
+        assert not processor.ends_row(token)
+    before = processor._allowed().copy()
+    good = prompt(tokenizer, 'two words","ok":true}')
+    kept, masks = processor.draft_masks(good + prompt(tokenizer, "}}"))
+    assert kept == good, "a draft stops where the grammar stops admitting it (here: after the document)"
+    assert masks.shape == (len(good) + 1, VOCAB)
+    assert (processor._allowed() == before).all(), "the matcher is where it was"
+    for i, token in enumerate(good):  # each position's mask is the grammar's after the drafts before it
+        assert (masks[i] == processor._allowed()[0]).all() and masks[i, token]
+        processor.ends_row(token)
+    assert (masks[len(good)] == processor._allowed()[0]).all()
+    assert processor.draft_masks([good[0]])[0] == [], "nothing may follow the complete document"
+
+
+def test_a_sampled_grammar_row_with_drafts_writes_only_what_its_grammar_admits(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = prompt(tokenizer, "A note as JSON:")
+    expected = without_drafts(
+        model, tokenizer, tokens, SamplingParams(max_tokens=64, grammar=grammar_of(NOTE))
+    )
+    oracle_drafts(monkeypatch, tokens, expected.token_ids, 0.3)  # the greedy text: a sampled row's
+    eng = ragged_engine(model, tokenizer, speculation=True)  # drafts pass with the probability it gives them
+    sampled = SamplingParams(max_tokens=64, temperature=0.7, grammar=grammar_of(NOTE))  # unseeded: drafts
+    try:
+        completions = run(eng, [(tokens, sampled)] * 6)
+        stats = eng.speculation.stats  # type: ignore[union-attr]
+        checker = [eng.grammars.processor(grammar_of(NOTE)) for _ in completions]
+    finally:
+        eng.close()
+    assert stats.proposed > 0
+    for completion, processor in zip(completions, checker, strict=True):
+        for token in completion.token_ids:  # a token the grammar does not admit raises here
+            processor.ends_row(token)
+        if completion.finish_reason == "stop":
+            valid(completion, NOTE)
