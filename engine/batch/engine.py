@@ -187,7 +187,7 @@ class BlockPoolBatchEngine:
         if speculation is None:
             speculation = draft_model is not None or switch("KVRQ_SPECULATION", default=SPECULATION_DEFAULT)
         self.speculation: Speculation | None = None
-        if speculation and isinstance(self._backend, RaggedBackend) and not self._backend.generator.latent:
+        if speculation and isinstance(self._backend, RaggedBackend):
             self.speculation = self._backend.generator.speculation = Speculation(
                 step_rows=step_rows, drafter=self.drafter
             )

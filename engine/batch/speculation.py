@@ -22,8 +22,9 @@ A grammar row (structured output, a forced tool call) drafts only the part of it
 admits, and each drafted position's logits are masked in the grammar's state after the drafts before
 it (engine/batch/grammar.py: consumed, then rolled back), so its tokens are those it gives without
 drafts. Rows run plainly (no drafts) where they have other logits processors (penalties, logit bias:
-their state follows each token) or caches other than plain or quantized full attention (sliding
-windows, SSM state, MLA), and in models the ragged batch does not run.
+their state follows each token) or caches a trim cannot roll back (SSM state), and in models the
+ragged batch does not run. Sliding-window layers draft (their WindowKVCache holds its tokens in order,
+so a trim drops the rejected ones and keeps the window), and so do MLA's latent caches (KVCaches).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from engine.batch.drafters import Drafter, NgramIndex, RowDrafter
 from engine.batch.sampling import checks_drafts
 from engine.core.params import SamplingParams
+from engine.kv.window import WindowKVCache
 
 #: Draft lengths: a row starts at FIRST_DRAFT, doubles when all are accepted, halves when few are.
 #: MAX_DRAFT fills a lone row's step to 16 query tokens: matmuls run fastest at 16-row multiples
@@ -465,9 +467,8 @@ class Speculation:
 def can_draft(row: Any) -> bool:
     """Whether a row may draft: no logits processors but a grammar (the others' state follows each
     token; a grammar masks each drafted position: engine/batch/grammar.py), and only caches a trim
-    rolls back (plain or quantized full attention)."""
+    rolls back (plain or quantized full attention, sliding windows in token order)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    return checks_drafts(row.processors) and all(
-        type(layer) in (KVCache, QuantizedKVCache) for layer in row.layers
-    )
+    trimmable = (KVCache, QuantizedKVCache, WindowKVCache)
+    return checks_drafts(row.processors) and all(type(layer) in trimmable for layer in row.layers)

@@ -72,6 +72,13 @@ class WindowKVCache:
         lo, hi = key_start - self.first, self.held
         return self.keys[..., lo:hi, :], self.values[..., lo:hi, :]
 
+    def trim(self, n: int) -> int:
+        """Drop the last n tokens (a drafted step's rejected positions: engine/batch/speculation.py); they
+        are the newest run's, so the window before them is still held. Gives back how many it dropped."""
+        n = min(self.held, n)
+        self.offset -= n
+        return n
+
     def mask(self) -> mx.array | str | None:
         """The last run's mask over the keys update_and_fetch gave: None for one token, "causal"
         where no token's window cuts the keys, else a boolean (n, keys) causal-window mask."""

@@ -14,6 +14,7 @@ from engine.batch.engine import BlockPoolBatchEngine
 from engine.core.params import SamplingParams
 from engine.kv.window import WindowKVCache
 from tests.engine.test_families import prompt_of, run_all
+from tests.engine.test_speculation import oracle_drafts
 from tests.engine.tiny import ByteTokenizer, tiny_model
 
 pytestmark = pytest.mark.mlx_path  # run again with KVRQ_CPU_SHORTCUTS=0 by .ci/test
@@ -206,3 +207,35 @@ def test_full_attention_families_run_with_kv_bits_8_and_agree_with_unquantized(a
         finally:
             engine.close()
     assert outputs[1] == outputs[0]
+
+
+@pytest.mark.parametrize("arch", [*SLIDING, "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("corrupt", [0.0, 0.3])
+def test_sliding_and_latent_rows_draft_and_keep_their_greedy_tokens(
+    arch: str, corrupt: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows past their window (32) and inside it verify drafts right, partly wrong and wrong: the
+    WindowKVCaches drop the rejected positions and keep the window, MLA's latent caches step back
+    (mlx_lm.generate's tokens)."""
+    model = tiny_model(arch)
+    prompts = [prompt_of(20, salt=1), prompt_of(90, salt=4), prompt_of(300, salt=7)]
+    expected = [reference_all(model, p, 40) for p in prompts]
+    oracle_drafts(monkeypatch, prompts, expected, corrupt)
+    engine = make_engine(model, arch, speculation=True)
+    try:
+        assert engine.speculation is not None
+        engine.speculation.always = True  # draft wherever a draft exists: the path under test
+        uids = [
+            engine.submit(f"a{i}", p, SamplingParams(max_tokens=40, stop_tokens=()))
+            for i, p in enumerate(prompts)
+        ]
+        rows = engine._backend.generator.rows  # type: ignore[attr-defined]
+        assert all(rows[uid].speculation is not None for uid in uids)
+        done = run_all(engine)
+        stats = engine.speculation.stats
+    finally:
+        engine.close()
+    assert [done[uid].token_ids for uid in uids] == expected
+    assert stats.accepted > 0
+    if corrupt:
+        assert stats.accepted < stats.proposed, "rejected drafts were trimmed"

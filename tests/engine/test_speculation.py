@@ -182,7 +182,7 @@ def test_quantized_kv_rows_draft_and_keep_their_greedy_tokens(monkeypatch: pytes
     assert engine.speculation is not None and engine.speculation.stats.accepted > 0
 
 
-def test_rows_with_logits_processors_and_sliding_window_models_run_plainly(model: object) -> None:
+def test_rows_with_logits_processors_and_state_models_run_plainly(model: object) -> None:
     engine = make_engine(model, True)
     try:
         penalised = engine.submit(None, prompt(20), SamplingParams(max_tokens=4, repetition_penalty=1.3))
@@ -192,15 +192,19 @@ def test_rows_with_logits_processors_and_sliding_window_models_run_plainly(model
         run_all(engine)
     finally:
         engine.close()
-    sliding = BlockPoolBatchEngine(
-        tiny_model("gemma3_text"), ByteTokenizer(), model_name="tiny-gemma3", pool_blocks=64, speculation=True
+    hybrid = BlockPoolBatchEngine(  # SSM state: a trim cannot roll it back
+        tiny_model("qwen3_next"),
+        ByteTokenizer(),
+        model_name="tiny-qwen3-next",
+        pool_blocks=64,
+        speculation=True,
     )
     try:
-        uid = sliding.submit(None, prompt(20), SamplingParams(max_tokens=4))
-        assert sliding._backend.generator.rows[uid].speculation is None  # type: ignore[attr-defined]
-        run_all(sliding)
+        uid = hybrid.submit(None, prompt(20), SamplingParams(max_tokens=4))
+        assert hybrid._backend.generator.rows[uid].speculation is None  # type: ignore[attr-defined]
+        run_all(hybrid)
     finally:
-        sliding.close()
+        hybrid.close()
 
 
 def test_speculation_follows_its_switch_and_default(model: object, monkeypatch: pytest.MonkeyPatch) -> None:
