@@ -175,7 +175,7 @@ class BlockPoolBatchEngine:
         else:
             self._backend = MlxBatchBackend(model, max_batch=max_batch, prefill_step_size=prefill_step_size)
         self.ragged = use_ragged
-        self.drafter: Drafter = PromptLookup()
+        self.drafter: Drafter = PromptLookup(tokenizer)
         if draft_model is not None:
             self.drafter = DraftModel(draft_model, self.vocab_size)
             log.info(  # what an operator needs to see whether it can ever pay (docs/worker.md)

@@ -101,6 +101,14 @@ def test_ngram_lookup_proposes_what_followed_the_latest_earlier_occurrence() -> 
     assert index.propose(4) == [1, 2, 3, 5]
 
 
+def test_ngram_lookup_follows_the_occurrence_matching_furthest_back_then_the_latest() -> None:
+    index = NgramIndex()
+    index.sync([7, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 7, 1, 2, 3, 4])
+    assert index.propose(3) == [5, 9, 1], "'7 1 2 3 4' occurred first: what followed it, not the latest"
+    index.sync([7, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 7, 1, 2, 3, 4, 8, 1, 2, 3, 4])
+    assert index.propose(3) == [8, 1, 2], "no occurrence matches further back than '1 2 3 4': the latest"
+
+
 def test_greedy_tokens_are_the_same_with_and_without_prompt_lookup_drafts(model: object) -> None:
     params = SamplingParams(max_tokens=120, stop_tokens=())
     plain, _ = generate(model, False, PROMPTS, params)
